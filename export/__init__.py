@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint → state-explicit, static-shape ONNX step graphs (design §2-3)."""

@@ -1,0 +1,120 @@
+"""export(): checkpoint directory → output directory (graphs, weights, tokenizer, manifest).
+
+Everything is written into a temporary sibling directory and renamed into place at the end, so a
+failure leaves nothing half-written; an existing directory that is not one of our exports is
+refused unless force=True.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from hybrid_npu.config import LINEAR, ModelConfig
+from hybrid_npu.errors import UserError
+
+from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint
+from .manifest import FORMAT, MANIFEST, is_export, value_infos
+from .step_graph import StepSpec, build_step_graph
+from .weights import WeightPlan
+
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+WEIGHTS_FILE = "weights.bin"
+
+
+def graph_specs(chunk: int) -> dict[str, StepSpec]:
+    return {"prefill": StepSpec(n=chunk), "decode": StepSpec(n=1)}
+
+
+def state_layout(cfg: ModelConfig) -> list[dict]:
+    k = cfg.linear_conv_kernel_dim
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == LINEAR:
+            layers.append({"layer": i, "kind": kind, "tensors": {
+                "conv_state": [cfg.conv_dim, k - 1],
+                "recurrent_state": [cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim]}})
+        else:
+            layers.append({"layer": i, "kind": kind, "tensors": {
+                "key": [cfg.num_key_value_heads, "tokens", cfg.head_dim],
+                "value": [cfg.num_key_value_heads, "tokens", cfg.head_dim]}})
+    return layers
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output path {out} exists and is a file; choose a directory path")
+    if out.exists() and any(out.iterdir()) and not is_export(out) and not force:
+        raise UserError(f"output directory {out} exists and is not a hybrid-npu export; "
+                        "choose another path or pass --force to replace it")
+
+
+def export(src, out, *, chunk: int = 128, dtype: str = "fp32", force: bool = False,
+           progress: Callable[[str], None] | None = None) -> dict:
+    src, out = Path(src), Path(out)
+    if chunk < 2:
+        raise UserError(f"--chunk must be at least 2 (got {chunk}); decode uses its own 1-token graph")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    say = progress or (lambda msg: None)
+    ck = read_checkpoint(src)
+    _prepare_out(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        manifest = _write_export(ck, tmp, chunk, dtype, say)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_export(ck: Checkpoint, tmp: Path, chunk: int, dtype: str, say) -> dict:
+    cfg = ck.config
+    plan = WeightPlan(ck.load, DTYPES[dtype])
+    graphs_dir = tmp / "graphs"
+    graphs_dir.mkdir()
+    say(f"building graphs (chunk {chunk})")
+    builders = {name: build_step_graph(cfg, plan, spec, name) for name, spec in graph_specs(chunk).items()}
+    say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")
+    placements = plan.write(graphs_dir / WEIGHTS_FILE)
+    graphs = {}
+    for name, gb in builders.items():
+        model = gb.model(placements)
+        path = graphs_dir / f"{name}.onnx"
+        onnx.save_model(model, path)
+        onnx.checker.check_model(str(path))
+        graphs[name] = {"file": f"graphs/{name}.onnx", "n": graph_specs(chunk)[name].n, "nodes": len(model.graph.node),
+                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+        say(f"wrote {path.name}: {len(model.graph.node)} nodes")
+    tokenizer_files = []
+    for f in TOKENIZER_FILES:
+        if (ck.path / f).exists():
+            shutil.copy2(ck.path / f, tmp / f)
+            tokenizer_files.append(f)
+    chat_template = None
+    if (tmp / "tokenizer_config.json").exists():
+        chat_template = json.loads((tmp / "tokenizer_config.json").read_text()).get("chat_template")
+    manifest = {
+        "format": FORMAT,
+        "source": {"path": str(ck.path.resolve()), "model_type": ck.model_type, "fingerprint": ck.fingerprint(),
+                   "dtype": ck.source_dtype, "mtp_tensors": ck.mtp_tensors},
+        "config": cfg.to_dict(),
+        "dtype": dtype,
+        "chunk": chunk,
+        "graphs": graphs,
+        "weights": {"file": f"graphs/{WEIGHTS_FILE}", "bytes": plan.total_bytes()},
+        "state": {"layers": state_layout(cfg), "state_bytes": cfg.state_bytes(),
+                  "kv_bytes_per_token": cfg.kv_bytes_per_token(), "tap_layers": list(cfg.tap_layers)},
+        "tokenizer": {"files": tokenizer_files, "chat_template": chat_template},
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest

@@ -1,0 +1,34 @@
+"""model.json: everything the runtime needs to know about an export, and nothing it must guess."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import onnx
+
+FORMAT = "hybrid-npu/1"
+MANIFEST = "model.json"
+
+_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
+           onnx.TensorProto.INT32: "int32"}
+
+
+def value_infos(values) -> list[dict]:
+    out = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+        out.append({"name": v.name, "shape": shape, "dtype": _DTYPES[t.elem_type]})
+    return out
+
+
+def is_export(path: Path) -> bool:
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def manifest_hash(path: Path) -> str:
+    return hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()

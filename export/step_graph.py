@@ -1,0 +1,198 @@
+"""The one graph family: advance the model by N new tokens given its state (design §3).
+
+N is static. Modes: a chain (prefill chunk N = C, decode N = 1) or a token tree (verify: the
+ancestor mask and conv selections come in as inputs, per-node commit tensors go out). A graph
+may cover a contiguous layer range (parts for the NPU): the first part embeds ids, the last
+applies the head. The host feeds what is cheap there: rotary cos/sin, the additive attention
+mask, the token-validity vector (a padded token writes no state), conv selections.
+
+I/O names (stable; the manifest lists them with shapes):
+  in   input_ids [N] int64 | hidden_in [N, H]; token_valid [N]; rope_cos/rope_sin [N, rd];
+       attn_mask [N, past_len+N]; conv_state_select [K-1, K-1+N]; last_index [1] int64;
+       tree_mask [N, N]; conv_tree_select [K-1, N, K-1+N];
+       conv_state.{i} [conv_dim, K-1]; recurrent_state.{i} [Hv, Dk, Dv] fp32;
+       past_key.{i} / past_value.{i} [nKV, past_len, hd]
+  out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i};
+       new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j);
+       tree only: commit_k.{i} [N, Hv, Dk], commit_u.{i} [N, Hv, Dv], commit_g.{i} [N, Hv],
+       pre_conv.{i} [N, conv_dim]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from hybrid_npu.config import LINEAR, ModelConfig
+from hybrid_npu.kernels.attention import emit_gqa_attention
+from hybrid_npu.kernels.conv import emit_short_conv
+from hybrid_npu.kernels.delta_rule import emit_gated_delta
+from hybrid_npu.kernels.graph import GraphBuilder
+from hybrid_npu.kernels.norms import emit_gated_rmsnorm, emit_rmsnorm_1p
+from hybrid_npu.kernels.rope import emit_partial_rope
+
+from .weights import WeightPlan
+
+PAST = "past_len"
+MASK_LEN = "past_len_plus_n"
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    n: int                       # new tokens per call (static)
+    first_layer: int = 0
+    end_layer: int | None = None  # exclusive; None = all layers
+    tree: bool = False
+    all_logits: bool = False     # logits for every token (verify) or only last_index (prefill/decode)
+
+    def layers(self, cfg: ModelConfig) -> range:
+        return range(self.first_layer, cfg.num_layers if self.end_layer is None else self.end_layer)
+
+
+class _Builder:
+    def __init__(self, cfg: ModelConfig, plan: WeightPlan, spec: StepSpec, name: str):
+        self.cfg, self.plan, self.spec = cfg, plan, spec
+        self.g = GraphBuilder(name)
+        self.n = spec.n
+
+    def w(self, stored: str) -> str:
+        """Declare a stored weight in this graph; fp16-stored matrices are widened (folded at load)."""
+        entry = self.plan.entries[stored]
+        self.g.weight(stored, entry.shape, entry.dtype)
+        return stored if entry.dtype == np.float32 else self.g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+
+    def linear(self, x: str, name: str, sources: list[str], in_dim: int, out_dims: list[int]) -> list[str]:
+        y = self.g.matmul(x, self.w(self.plan.matmul_weight(name, sources, in_dim, out_dims)))
+        return [y] if len(out_dims) == 1 else self.g.split(y, out_dims, axis=-1)
+
+    def norm1p(self, x: str, src: str, size: int) -> str:
+        return emit_rmsnorm_1p(self.g, x, self.w(self.plan.vector(src, size)), self.cfg.rms_norm_eps)
+
+    # ---------------------------------------------------------------- graph
+    def build(self) -> GraphBuilder:
+        c, g, n, spec = self.cfg, self.g, self.n, self.spec
+        layers = spec.layers(c)
+        gdn_layers = [i for i in layers if c.layer_types[i] == LINEAR]
+        attn_layers = [i for i in layers if c.layer_types[i] != LINEAR]
+        if spec.first_layer == 0:
+            ids = g.input("input_ids", np.int64, [n])
+            embed = self.w(self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+            x = g.op("Gather", embed, ids, axis=0)
+        else:
+            x = g.input("hidden_in", np.float32, [n, c.hidden_size])
+        self.valid = g.unsqueeze(g.input("token_valid", np.float32, [n]), [1]) if gdn_layers and n > 1 else None
+        if attn_layers:
+            rd = c.rotary_dim
+            self.cos = g.unsqueeze(g.input("rope_cos", np.float32, [n, rd]), [1])
+            self.sin = g.unsqueeze(g.input("rope_sin", np.float32, [n, rd]), [1])
+            self.attn_mask = g.input("attn_mask", np.float32, [n, MASK_LEN])
+        if gdn_layers:
+            self._gdn_masks()
+        for i in layers:
+            if i in c.tap_layers:
+                g.output(x, f"tap.{i}", np.float32, [n, c.hidden_size])
+            p = f"layers.{i}."
+            h = self.norm1p(x, p + "input_layernorm.weight", c.hidden_size)
+            mixed = self.gdn(h, i) if c.layer_types[i] == LINEAR else self.attention(h, i)
+            x = g.op("Add", x, mixed)
+            h = self.norm1p(x, p + "post_attention_layernorm.weight", c.hidden_size)
+            gate, up = self.linear(h, p + "mlp.gate_up.T", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                                   c.hidden_size, [c.intermediate_size] * 2)
+            down = self.linear(g.op("Mul", g.silu(gate), up), p + "mlp.down_proj.T", [p + "mlp.down_proj.weight"],
+                               c.intermediate_size, [c.hidden_size])[0]
+            x = g.op("Add", x, down)
+        if layers.stop == c.num_layers:
+            self.head(x)
+        else:
+            g.output(x, "hidden_out", np.float32, [n, c.hidden_size])
+        return g
+
+    def _gdn_masks(self):
+        c, g, n = self.cfg, self.g, self.n
+        k = c.linear_conv_kernel_dim
+        if self.spec.tree:
+            m = g.input("tree_mask", np.float32, [n, n])
+            self.mask, self.mask_t = m, g.transpose(m, [1, 0])
+            self.strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
+            self.tree_select = g.input("conv_tree_select", np.float32, [k - 1, n, k - 1 + n])
+            self.state_select = None
+        else:
+            causal = np.tril(np.ones((n, n), dtype=np.float32))
+            self.mask, self.mask_t = g.const(causal), g.const(causal.T)
+            self.strict = g.const(np.tril(causal, -1)) if n > 1 else None
+            self.tree_select = None
+            self.state_select = g.input("conv_state_select", np.float32, [k - 1, k - 1 + n]) if n > 1 else None
+
+    def gdn(self, h: str, i: int) -> str:
+        c, g, n = self.cfg, self.g, self.n
+        a = f"layers.{i}.linear_attn."
+        hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                             c.linear_value_head_dim, c.linear_conv_kernel_dim)
+        qkv, z, b, a_in = self.linear(h, a + "in_proj_all.T", [a + s + ".weight" for s in
+                                      ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")],
+                                      c.hidden_size, [c.conv_dim, hv * dv, hv, hv])
+        conv_state = g.input(f"conv_state.{i}", np.float32, [c.conv_dim, k - 1])
+        S = g.input(f"recurrent_state.{i}", np.float32, [hv, dk, dv])
+        y, new_conv = emit_short_conv(g, qkv, conv_state, self.w(self.plan.conv_weight(a + "conv1d.weight", c.conv_dim, k)),
+                                      n, k, self.state_select, self.tree_select)
+        q, kk, v = g.split(y, [c.key_dim, c.key_dim, c.value_dim], axis=-1)
+        q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
+        beta = g.op("Sigmoid", b)
+        # g = -exp(A_log) * softplus(a + dt_bias); Softplus input clamped (HTP garbage below -88)
+        sp = g.op("Softplus", g.op("Max", g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv))), g.const(-60.0)))
+        decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
+        if self.valid is not None:  # a padded token neither decays nor writes the state
+            beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
+        o, S_after, (ck, cu, cg) = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t, self.strict,
+                                                    n=n, hk=hk, hv=hv, dk=dk, dv=dv, chain_state=not self.spec.tree)
+        if self.spec.tree:
+            g.output(ck, f"commit_k.{i}", np.float32, [n, hv, dk])
+            g.output(cu, f"commit_u.{i}", np.float32, [n, hv, dv])
+            g.output(cg, f"commit_g.{i}", np.float32, [n, hv])
+            g.output(qkv, f"pre_conv.{i}", np.float32, [n, c.conv_dim])
+        else:
+            g.output(new_conv, f"conv_state_out.{i}", np.float32, [c.conv_dim, k - 1])
+            g.output(S_after, f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
+        normed = emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), self.w(self.plan.vector(a + "norm.weight", dv)),
+                                    c.rms_norm_eps)
+        return self.linear(g.reshape(normed, [n, hv * dv]), a + "out_proj.T", [a + "out_proj.weight"],
+                           hv * dv, [c.hidden_size])[0]
+
+    def attention(self, h: str, i: int) -> str:
+        c, g, n = self.cfg, self.g, self.n
+        a = f"layers.{i}.self_attn."
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qg, k, v = self.linear(h, a + "qkv.T", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                               c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
+        q, gate = g.split(g.reshape(qg, [n, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (gotcha 2)
+        q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), self.cos, self.sin, hd, c.rotary_dim)
+        k = emit_partial_rope(g, self.norm1p(g.reshape(k, [n, nkv, hd]), a + "k_norm.weight", hd),
+                              self.cos, self.sin, hd, c.rotary_dim)
+        new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [n, nkv, hd]), [1, 0, 2])
+        g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
+        g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
+        past_k = g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd])
+        past_v = g.input(f"past_value.{i}", np.float32, [nkv, PAST, hd])
+        keys, values = g.op("Concat", past_k, new_k, axis=1), g.op("Concat", past_v, new_v, axis=1)
+        attn = emit_gqa_attention(g, q, keys, values, self.attn_mask, n=n, nh=nh, nkv=nkv, hd=hd)
+        gated = g.op("Mul", g.reshape(attn, [n, nh * hd]), g.op("Sigmoid", g.reshape(gate, [n, nh * hd])))
+        return self.linear(gated, a + "o_proj.T", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
+
+    def head(self, x: str) -> None:
+        c, g, n = self.cfg, self.g, self.n
+        if not self.spec.all_logits:
+            x = g.op("Gather", x, g.input("last_index", np.int64, [1]), axis=0)
+        h = self.norm1p(x, "norm.weight", c.hidden_size)
+        rows = n if self.spec.all_logits else 1
+        if c.tie_word_embeddings:  # gotcha 6: tie explicitly to the embedding table
+            table = self.w(self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+            logits = g.op("Gemm", h, table, transB=1)
+        else:
+            logits = g.matmul(h, self.w(self.plan.matmul_weight("lm_head.T", ["lm_head.weight"], c.hidden_size,
+                                                                [c.vocab_size])))
+        g.output(logits, "logits", np.float32, [rows, c.vocab_size])
+
+
+def build_step_graph(cfg: ModelConfig, plan: WeightPlan, spec: StepSpec, name: str) -> GraphBuilder:
+    return _Builder(cfg, plan, spec, name).build()

@@ -1,0 +1,75 @@
+"""The stored weights of one export: what each graph initializer holds and how it is made
+from the checkpoint (transposed for MatMul, fused projections, dtype), written once into one
+external-data file that every graph of the model points into.
+
+Offsets are 64 KiB-aligned so ONNX Runtime can memory-map the file instead of copying it
+(the Windows allocation granularity; also a multiple of the page size elsewhere).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ALIGN = 1 << 16
+
+
+@dataclass
+class StoredWeight:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], np.ndarray]
+
+
+class WeightPlan:
+    def __init__(self, load: Callable[[str], np.ndarray], matrix_dtype=np.float32):
+        self.load = load  # canonical checkpoint name -> array (HF orientation)
+        self.matrix_dtype = np.dtype(matrix_dtype)
+        self.entries: dict[str, StoredWeight] = {}
+
+    def add(self, name: str, shape, make: Callable[[], np.ndarray], dtype=np.float32) -> str:
+        if name not in self.entries:
+            self.entries[name] = StoredWeight(tuple(shape), np.dtype(dtype), make)
+        return name
+
+    # ---- the forms the graphs need ----
+    def vector(self, src: str, size: int) -> str:
+        """Norm weights, gates: always fp32 (research: the state path stays fp32)."""
+        return self.add(src, (size,), lambda: self.load(src).astype(np.float32))
+
+    def matmul_weight(self, name: str, sources: list[str], in_dim: int, out_dims: list[int]) -> str:
+        """[in, Σout] for MatMul(x, W): the sources' [out, in] matrices transposed and concatenated,
+        so fused projections (q|k|v, gate|up, qkv|z|b|a) cost one MatMul."""
+        def make():
+            return np.concatenate([self.load(s).T for s in sources], axis=1).astype(self.matrix_dtype)
+        return self.add(name, (in_dim, sum(out_dims)), make, self.matrix_dtype)
+
+    def table(self, src: str, shape) -> str:
+        """An [rows, cols] table used as stored (embedding, tied lm_head via Gemm transB)."""
+        return self.add(src, shape, lambda: self.load(src).astype(self.matrix_dtype), self.matrix_dtype)
+
+    def conv_weight(self, src: str, channels: int, k: int) -> str:
+        return self.add(src + ".kc", (k, channels), lambda: self.load(src).reshape(channels, k).T.astype(np.float32))
+
+    # ---- writing ----
+    def write(self, path: Path, progress: Callable[[str], None] | None = None) -> dict[str, tuple[str, int, int]]:
+        """Stream every weight into one file; returns name -> (file name, offset, length)."""
+        placements = {}
+        with open(path, "wb") as f:
+            for name, w in self.entries.items():
+                arr = np.ascontiguousarray(w.make(), dtype=w.dtype)
+                if arr.shape != w.shape:
+                    raise AssertionError(f"weight {name}: made {arr.shape}, planned {w.shape}")
+                pad = (-f.tell()) % ALIGN
+                f.write(b"\0" * pad)
+                offset = f.tell()
+                f.write(arr.tobytes())
+                placements[name] = (path.name, offset, arr.nbytes)
+                if progress:
+                    progress(name)
+        return placements
+
+    def total_bytes(self) -> int:
+        return sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in self.entries.values())

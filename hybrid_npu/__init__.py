@@ -1,0 +1,12 @@
+"""hybrid-npu: Qwen3.5-style hybrid models (Gated DeltaNet + attention) as state-explicit ONNX,
+prefilled on a Snapdragon NPU and decoded on the CPU."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def load(path, profile: str = "cpu", threads: int | None = None):
+    """Open an exported model directory; returns an Engine (`.generate`, `.prefill_logits`, `.tokenizer`)."""
+    from hybrid_npu.runtime.engine import Engine
+
+    return Engine(path, profile=profile, threads=threads)

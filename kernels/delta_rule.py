@@ -1,0 +1,174 @@
+"""Gated delta rule over N new tokens (research/qwen35.md §2.3 steps 4-6; design §4).
+
+Inputs per token, token-major: q, k [N, Hk, Dk], v [N, Hv, Dv], g (log decay, <= 0) and β [N, Hv];
+incoming state S [Hv, Dk, Dv] (fp32). Key heads serve Hv/Hk consecutive value heads
+(repeat_interleave, gotcha 4); q̂ = l2n(q)·Dk^-1/2, k̂ = l2n(k).
+
+Masked form for an ancestor mask M (M[i,j] = 1 iff j = i or j is an ancestor of i; causal =
+lower-triangular ones), one value head:
+    G = M·g                   D[i,j] = exp(G_i - G_j) where M[i,j] else 0
+    A = β ⊙rows ((K̂K̂ᵀ) ⊙ D ⊙ strict(M))
+    U = (I + A)⁻¹ · β ⊙rows (V - e^G ⊙rows (K̂·S))
+    O = e^G ⊙rows (Q̂·S) + ((Q̂K̂ᵀ) ⊙ D) · U
+    S_after(path ending at m) = e^{G_m}·S + Σ_{j ∈ path(m)} e^{G_m - G_j} k̂_j u_jᵀ
+(I + A) is unit lower-triangular in topological order; the ONNX form solves it by 8×8 diagonal
+blocks (exact nilpotent product inside a block) merged by block forward substitution, never by
+high powers of A over the whole chunk (gotcha 8: fp32 blows up on correlated keys).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .graph import GraphBuilder
+
+L2_EPS = 1e-6
+
+
+def _l2n(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def normalize_qk(q, k, num_v_heads: int):
+    """q̂, k̂ [N, Hv, Dk]: l2-normalised, q scaled by Dk^-1/2, key heads repeated to value heads."""
+    r = num_v_heads // q.shape[1]
+    qh = np.repeat(_l2n(q), r, axis=1) / math.sqrt(q.shape[-1])
+    kh = np.repeat(_l2n(k), r, axis=1)
+    return qh, kh
+
+
+def gated_delta_recurrent_ref(q, k, v, g, beta, S):
+    """Token loop, the definition: returns (o [N, Hv, Dv], S_final)."""
+    qh, kh = normalize_qk(q, k, v.shape[1])
+    S = S.copy()
+    out = np.zeros_like(v)
+    for t in range(v.shape[0]):
+        S = S * np.exp(g[t])[:, None, None]
+        kv_mem = np.einsum("hkv,hk->hv", S, kh[t])
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        S = S + kh[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", S, qh[t])
+    return out, S
+
+
+def gated_delta_masked_ref(q, k, v, g, beta, S, M):
+    """The masked N-token form. Returns (o [N, Hv, Dv], commit) with commit = (k̂ [N,Hv,Dk],
+    u [N,Hv,Dv], G [N,Hv]) for commit_state_ref."""
+    qh, kh = normalize_qk(q, k, v.shape[1])
+    n = v.shape[0]
+    M = M.astype(v.dtype)
+    strict = M * (1 - np.eye(n, dtype=v.dtype))
+    out = np.zeros_like(v)
+    U = np.zeros_like(v)
+    G = (M @ g)  # [N, Hv]
+    for h in range(v.shape[1]):
+        Gh = G[:, h]
+        D = np.where(M > 0, np.exp(np.where(M > 0, Gh[:, None] - Gh[None, :], 0.0)), 0.0)
+        Kh, Qh = kh[:, h], qh[:, h]
+        A = beta[:, h, None] * ((Kh @ Kh.T) * D * strict)
+        R = beta[:, h, None] * (v[:, h] - np.exp(Gh)[:, None] * (Kh @ S[h]))
+        U[:, h] = np.linalg.solve(np.eye(n, dtype=v.dtype) + A, R)
+        out[:, h] = np.exp(Gh)[:, None] * (Qh @ S[h]) + ((Qh @ Kh.T) * D) @ U[:, h]
+    return out, (kh, U, G)
+
+
+def commit_state_ref(S, commit, path: list[int]):
+    """State after the tokens on `path` (root first): e^{G_m}·S + Σ_j e^{G_m - G_j} k̂_j u_jᵀ."""
+    kh, U, G = commit
+    m = path[-1]
+    S_new = np.exp(G[m])[:, None, None] * S
+    for j in path:
+        S_new = S_new + np.exp(G[m] - G[j])[:, None, None] * kh[j][:, :, None] * U[j][:, None, :]
+    return S_new
+
+
+# ---------------------------------------------------------------- ONNX formulation
+
+def _emit_l2n(g: GraphBuilder, x: str) -> str:
+    ss = g.op("ReduceSum", g.op("Mul", x, x), g.ints([-1]), keepdims=1)
+    return g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", ss, g.const(L2_EPS)))))
+
+
+def _emit_repeat_heads(g: GraphBuilder, x: str, n: int, hk: int, r: int, d: int) -> str:
+    if r == 1:
+        return x
+    x4 = g.reshape(x, [n, hk, 1, d])
+    return g.reshape(g.op("Expand", x4, g.ints([n, hk, r, d])), [n, hk * r, d])
+
+
+def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int, dv: int, block: int = 8) -> str:
+    """U = (I + A)⁻¹ R for A [H, n, n] strictly lower-triangular, R [H, n, dv].
+
+    Diagonal b×b blocks are inverted at once (batched) by the exact product (I-N)(I+N²)(I+N⁴),
+    which stays bounded inside a block; the blocks are then merged by forward substitution.
+    """
+    if n == 1:
+        return R
+    b = min(block, 1 << (n - 1).bit_length())
+    nb = -(-n // b)
+    m = nb * b
+    if m != n:  # pad with an identity tail: the padded rows solve to 0
+        A = g.op("Pad", A, g.ints([0, 0, 0, 0, m - n, m - n]))
+        R = g.op("Pad", R, g.ints([0, 0, 0, 0, m - n, 0]))
+    eye_blocks = np.eye(nb, dtype=np.float32).reshape(1, nb, 1, nb, 1)
+    diag = g.op("ReduceSum", g.op("Mul", g.reshape(A, [heads, nb, b, nb, b]), g.const(eye_blocks)),
+                g.ints([3]), keepdims=0)  # [H, nb, b, b]
+    eye_b = g.const(np.eye(b, dtype=np.float32))
+    neg = g.op("Neg", diag)
+    inv = g.op("Add", eye_b, neg)
+    power = neg
+    for _ in range(int(math.log2(b)) - 1):
+        power = g.matmul(power, power)
+        inv = g.matmul(inv, g.op("Add", eye_b, power))
+    inv_blocks = g.split(inv, [1] * nb, axis=1) if nb > 1 else [inv]
+    r_blocks = g.split(R, [b] * nb, axis=1) if nb > 1 else [R]
+    solved: list[str] = []
+    for i in range(nb):
+        t_i = g.reshape(inv_blocks[i], [heads, b, b])
+        rhs = r_blocks[i]
+        if i > 0:
+            a_row = g.slice(g.slice(A, i * b, (i + 1) * b, axis=1), 0, i * b, axis=2)
+            prev = solved[0] if i == 1 else g.op("Concat", *solved, axis=1)
+            rhs = g.op("Sub", rhs, g.matmul(a_row, prev))
+        solved.append(g.matmul(t_i, rhs))
+    U = solved[0] if nb == 1 else g.op("Concat", *solved, axis=1)
+    return U if m == n else g.slice(U, 0, n, axis=1)
+
+
+def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: str, S: str,
+                     mask: str, mask_t: str, strict_mask: str, *, n: int, hk: int, hv: int, dk: int, dv: int,
+                     chain_state: bool):
+    """Returns (o [N, Hv, Dv], S_after of the last token or None, commit (k̂, u, G) token-major).
+
+    mask / mask_t / strict_mask [N, N]: M, Mᵀ and M without its diagonal (constants for a chain,
+    graph inputs for a tree). chain_state: emit S_after for the last token (chain graphs).
+    """
+    r = hv // hk
+    qn = g.op("Mul", _emit_l2n(g, q), g.const(1.0 / math.sqrt(dk)))
+    kn = _emit_l2n(g, k)
+    Q = g.transpose(_emit_repeat_heads(g, qn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
+    K = g.transpose(_emit_repeat_heads(g, kn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
+    V = g.transpose(v, [1, 0, 2])  # [Hv, N, Dv]
+    gT, bT = g.transpose(gate, [1, 0]), g.transpose(beta, [1, 0])  # [Hv, N]
+    G = g.matmul(gT, mask_t)  # G_i = Σ_j M[i,j] g_j
+    eG = g.unsqueeze(g.safe_exp(G), [2])  # [Hv, N, 1]
+    diff = g.op("Sub", g.unsqueeze(G, [2]), g.unsqueeze(G, [1]))
+    D = g.op("Mul", g.safe_exp(g.op("Mul", diff, mask)), mask)  # masked before exp: no overflow
+    K_t = g.transpose(K, [0, 2, 1])
+    b3 = g.unsqueeze(bT, [2])
+    R = g.op("Mul", b3, g.op("Sub", V, g.op("Mul", eG, g.matmul(K, S))))
+    if n > 1:
+        A = g.op("Mul", b3, g.op("Mul", g.matmul(K, K_t), g.op("Mul", D, strict_mask)))
+        U = emit_unit_lower_solve(g, A, R, hv, n, dv)
+    else:
+        U = R
+    O = g.op("Add", g.op("Mul", eG, g.matmul(Q, S)), g.matmul(g.op("Mul", g.matmul(Q, K_t), D), U))
+    S_after = None
+    if chain_state:
+        G_last = g.slice(G, n - 1, n, axis=1)  # [Hv, 1]
+        w = g.unsqueeze(g.safe_exp(g.op("Sub", G_last, G)), [2])  # [Hv, N, 1]
+        decayed = g.op("Mul", g.unsqueeze(g.safe_exp(G_last), [2]), S)
+        S_after = g.op("Add", decayed, g.matmul(g.transpose(g.op("Mul", K, w), [0, 2, 1]), U))
+    commit = (g.transpose(K, [1, 0, 2]), g.transpose(U, [1, 0, 2]), g.transpose(G, [1, 0]))
+    return g.transpose(O, [1, 0, 2]), S_after, commit

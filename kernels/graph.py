@@ -1,0 +1,112 @@
+"""A thin helper over onnx.helper for writing graphs as straight-line code.
+
+`g.op("MatMul", a, b)` adds a node and returns its output name, so kernels read like the
+numpy references beside them. Constants become initializers (NPU-safe: no Constant-of-shape
+tricks, every shape static).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 21
+NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+              np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32}
+
+
+class GraphBuilder:
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.initializers: dict[str, np.ndarray] = {}
+        self._ids = itertools.count()
+        self._const_cache: dict[tuple, str] = {}
+        self.external: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+
+    # ---- names and values ----
+    def fresh(self, hint: str) -> str:
+        return f"{hint}_{next(self._ids)}"
+
+    def input(self, name: str, dtype, shape) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(dtype)], list(shape)))
+        return name
+
+    def output(self, value: str, name: str, dtype, shape) -> str:
+        if value != name:
+            self.nodes.append(helper.make_node("Identity", [value], [name]))
+        self.outputs.append(helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(dtype)], list(shape)))
+        return name
+
+    def weight(self, name: str, shape, dtype) -> str:
+        """A named model weight, stored outside the graph (external data shared by all graphs of
+        one model); its bytes are placed by the writer. Returns the tensor name."""
+        self.external[name] = (tuple(shape), np.dtype(dtype))
+        return name
+
+    def const(self, value, dtype=np.float32) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._const_cache:
+            name = self.fresh("const")
+            self.initializers[name] = arr
+            self._const_cache[key] = name
+        return self._const_cache[key]
+
+    def ints(self, values) -> str:
+        return self.const(np.asarray(values, dtype=np.int64), np.int64)
+
+    # ---- nodes ----
+    def op(self, op_type: str, *inputs: str, n_out: int = 1, **attrs):
+        outs = [self.fresh(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def reshape(self, x: str, shape) -> str:
+        return self.op("Reshape", x, self.ints(shape))
+
+    def transpose(self, x: str, perm) -> str:
+        return self.op("Transpose", x, perm=list(perm))
+
+    def slice(self, x: str, start: int, end: int, axis: int) -> str:
+        """Constant slice only: the NPU rejects runtime starts."""
+        return self.op("Slice", x, self.ints([start]), self.ints([end]), self.ints([axis]))
+
+    def split(self, x: str, sizes, axis: int) -> list[str]:
+        outs = self.op("Split", x, self.ints(sizes), axis=axis, n_out=len(sizes))
+        return outs if isinstance(outs, list) else [outs]
+
+    def unsqueeze(self, x: str, axes) -> str:
+        return self.op("Unsqueeze", x, self.ints(axes))
+
+    def matmul(self, a: str, b: str) -> str:
+        return self.op("MatMul", a, b)
+
+    def silu(self, x: str) -> str:
+        return self.op("Mul", x, self.op("Sigmoid", x))
+
+    def safe_exp(self, x: str) -> str:
+        """Exp with its input clamped at -60: the HTP returns garbage below about -88
+        (research/htp-real-size.md bug 1); e^-60 is 0 for every purpose here."""
+        return self.op("Exp", self.op("Max", x, self.const(-60.0)))
+
+    def model(self, placements: dict[str, tuple[str, int, int]] | None = None) -> onnx.ModelProto:
+        """placements: weight name -> (file, offset, length) of its bytes in the external data file."""
+        inits = [numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in self.initializers.items()]
+        for name, (shape, dtype) in self.external.items():
+            location, offset, length = placements[name]
+            t = onnx.TensorProto(name=name, data_type=NP_TO_ONNX[dtype], dims=list(shape))
+            t.data_location = TensorProto.EXTERNAL  # the bytes already sit in the shared weights file
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            inits.append(t)
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name="hybrid-npu")
+        model.ir_version = 10
+        return model

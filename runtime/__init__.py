@@ -1,0 +1,1 @@
+"""Runs an export: sessions per graph, the typed State, prefill → decode, sampling."""

@@ -1,0 +1,118 @@
+"""The engine: load an export, prefill in chunks, decode, sample.
+
+Prefill runs the N = C graph over whole chunks and a padded tail (padding never touches the
+state, the K/V or the output); decode runs the N = 1 graph. Both read and write one State.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.errors import UserError
+
+from .sampling import choose
+from .state import State
+from .step_inputs import chain_feed, commit_chain
+
+MANIFEST = "model.json"
+
+
+class Engine:
+    def __init__(self, path, profile: str = "cpu", threads: int | None = None):
+        self.path = Path(path)
+        manifest_file = self.path / MANIFEST
+        if not manifest_file.exists():
+            raise UserError(f"{self.path} is not a hybrid-npu export (no {MANIFEST}); "
+                            f"create one with: export-hybrid CHECKPOINT {self.path}")
+        self.manifest = json.loads(manifest_file.read_text())
+        self.config = ModelConfig.from_dict(self.manifest["config"])
+        self.chunk = int(self.manifest["chunk"])
+        self.profile = profile
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts,
+                                                    providers=["CPUExecutionProvider"])
+                         for name, g in self.manifest["graphs"].items()}
+        self._outputs = {name: [o.name for o in s.get_outputs()] for name, s in self.sessions.items()}
+        self._inputs = {name: {i.name for i in s.get_inputs()} for name, s in self.sessions.items()}
+        self.tokenizer = self._load_tokenizer()
+        self.state = State.fresh(self.config)
+        self.last_stats: dict = {}
+
+    def _load_tokenizer(self):
+        f = self.path / "tokenizer.json"
+        if not f.exists():
+            return None
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(f))
+
+    # ---------------------------------------------------------------- steps
+    def reset(self) -> None:
+        self.state = State.fresh(self.config)
+
+    def _step(self, graph: str, ids: list[int]) -> np.ndarray:
+        """Advance the state by `ids` through one call of `graph`; returns the last token's logits."""
+        n = self.manifest["graphs"][graph]["n"]
+        self._check_ids(ids)
+        self.state.ensure_capacity(self.state.position + n)
+        feed = chain_feed(self.config, self.state, ids, n)
+        feed = {k: v for k, v in feed.items() if k in self._inputs[graph]}
+        out = dict(zip(self._outputs[graph], self.sessions[graph].run(self._outputs[graph], feed)))
+        commit_chain(self.state, out, ids)
+        return out["logits"][0]
+
+    def _check_ids(self, ids) -> None:
+        bad = [t for t in ids if not 0 <= int(t) < self.config.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    def prefill(self, ids: list[int], progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Append `ids` to the context in chunks of C; returns the logits after the last one."""
+        if not ids:
+            raise UserError("empty prompt: give at least one token")
+        logits = None
+        for start in range(0, len(ids), self.chunk):
+            logits = self._step("prefill", list(ids[start: start + self.chunk]))
+            if progress:
+                progress(min(start + self.chunk, len(ids)), len(ids))
+        return logits
+
+    def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
+        """Logits [vocab] after the last prompt token, from a fresh state."""
+        self.reset()
+        return self.prefill(list(prompt_ids))
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
+        """Prefill the prompt on a fresh state, then decode up to max_new_tokens; returns the new ids."""
+        rng = np.random.default_rng(seed)
+        t0 = time.perf_counter()
+        logits = self.prefill_logits(prompt_ids)
+        t_prefill = time.perf_counter() - t0
+        new: list[int] = []
+        t1 = time.perf_counter()
+        while len(new) < max_new_tokens:
+            token = choose(logits, temperature, top_k, top_p, rng)
+            new.append(token)
+            if on_token:
+                on_token(token)
+            if (stop_at_eos and token in self.config.eos_token_ids) or len(new) == max_new_tokens:
+                break
+            logits = self._step("decode", [token])
+        t_decode = time.perf_counter() - t1
+        self.last_stats = {
+            "prefill_tokens": len(prompt_ids), "prefill_tokens_per_s": len(prompt_ids) / max(t_prefill, 1e-9),
+            "prefill_device": "CPU", "decode_tokens": len(new),
+            "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": "CPU",
+            "ttft_s": t_prefill,
+        }
+        return new

@@ -1,0 +1,67 @@
+"""The conversation state as a typed object: named per-layer arrays, never a loose tensor list.
+
+GDN layers carry a fixed-size state (conv window + fp32 delta-rule matrix); full-attention
+layers carry K/V rows that grow with the context. The K/V buffers are head-major
+[nKV, capacity, hd] and grow in blocks, so the graph reads them in place (no per-step copy)
+and a long context costs only what it uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybrid_npu.config import ModelConfig
+
+KV_BLOCK = 256
+
+
+@dataclass
+class GDNLayerState:
+    conv: np.ndarray       # [conv_dim, K-1] pre-conv inputs, oldest first
+    recurrent: np.ndarray  # [Hv, Dk, Dv] fp32
+
+
+@dataclass
+class AttentionLayerState:
+    key: np.ndarray        # [nKV, capacity, hd]; rows [0, State.position) are valid
+    value: np.ndarray
+
+
+@dataclass
+class State:
+    gdn: dict[int, GDNLayerState]
+    attention: dict[int, AttentionLayerState]
+    position: int = 0                      # tokens committed so far
+    tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def fresh(cls, cfg: ModelConfig, capacity: int = KV_BLOCK) -> "State":
+        k = cfg.linear_conv_kernel_dim
+        gdn = {i: GDNLayerState(np.zeros((cfg.conv_dim, k - 1), np.float32),
+                                np.zeros((cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                          cfg.linear_value_head_dim), np.float32)) for i in cfg.linear_layers}
+        shape = (cfg.num_key_value_heads, capacity, cfg.head_dim)
+        attn = {i: AttentionLayerState(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+                for i in cfg.full_layers}
+        return cls(gdn, attn)
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.attention.values())).key.shape[1] if self.attention else 0
+
+    def ensure_capacity(self, tokens: int) -> None:
+        """Grow every K/V buffer to hold `tokens` rows, in whole blocks."""
+        if not self.attention or tokens <= self.capacity:
+            return
+        new_cap = -(-tokens // KV_BLOCK) * KV_BLOCK
+        for layer in self.attention.values():
+            for name in ("key", "value"):
+                old = getattr(layer, name)
+                grown = np.zeros((old.shape[0], new_cap, old.shape[2]), old.dtype)
+                grown[:, : self.position] = old[:, : self.position]
+                setattr(layer, name, grown)
+
+    def kv_bytes_in_use(self) -> int:
+        return sum(2 * a.key.shape[0] * self.position * a.key.shape[2] * a.key.itemsize
+                   for a in self.attention.values())

@@ -1,0 +1,50 @@
+"""Host-side inputs of a step graph: what is cheap here and awkward on the NPU (design §3)."""
+from __future__ import annotations
+
+import numpy as np
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.kernels.attention import MASKED
+from hybrid_npu.kernels.conv import chain_state_select
+from hybrid_npu.kernels.rope import rope_tables
+
+from .state import State
+
+
+def chain_feed(cfg: ModelConfig, state: State, ids: list[int], n: int) -> dict[str, np.ndarray]:
+    """Inputs for N = n-slot chain step over `ids` (len(ids) <= n; the tail is padding)."""
+    valid = len(ids)
+    pos = state.position
+    feed = {"input_ids": np.array(list(ids) + [0] * (n - valid), dtype=np.int64)}
+    if n > 1:
+        feed["token_valid"] = (np.arange(n) < valid).astype(np.float32)
+        feed["conv_state_select"] = chain_state_select(valid, n, cfg.linear_conv_kernel_dim)
+    feed["last_index"] = np.array([valid - 1], dtype=np.int64)
+    if cfg.full_layers:
+        cos, sin = rope_tables(pos + np.arange(n), cfg.rotary_dim, cfg.rope_theta)
+        feed["rope_cos"], feed["rope_sin"] = cos, sin
+        cap = state.capacity
+        mask = np.full((n, cap + n), MASKED, dtype=np.float32)
+        mask[:, :pos] = 0.0
+        mask[:, cap:] = np.where(np.tril(np.ones((n, n), dtype=bool)), 0.0, MASKED)
+        feed["attn_mask"] = mask
+    for i, layer in state.gdn.items():
+        feed[f"conv_state.{i}"] = layer.conv
+        feed[f"recurrent_state.{i}"] = layer.recurrent
+    for i, layer in state.attention.items():
+        feed[f"past_key.{i}"] = layer.key
+        feed[f"past_value.{i}"] = layer.value
+    return feed
+
+
+def commit_chain(state: State, out: dict[str, np.ndarray], ids: list[int]) -> None:
+    """Take the new state from a chain step's outputs: only the valid tokens' K/V rows are written."""
+    valid, pos = len(ids), state.position
+    for i, layer in state.gdn.items():
+        layer.conv = out[f"conv_state_out.{i}"]
+        layer.recurrent = out[f"recurrent_state_out.{i}"]
+    for i, layer in state.attention.items():
+        layer.key[:, pos: pos + valid] = out[f"new_key.{i}"][:, :valid]
+        layer.value[:, pos: pos + valid] = out[f"new_value.{i}"][:, :valid]
+    state.position += valid
+    state.tokens.extend(int(t) for t in ids)

@@ -2,8 +2,9 @@
 from the checkpoint (transposed for MatMul, fused projections, dtype), written once into one
 external-data file that every graph of the model points into.
 
-Offsets are 64 KiB-aligned so ONNX Runtime can memory-map the file instead of copying it
-(the Windows allocation granularity; also a multiple of the page size elsewhere).
+Large tensors start at 64 KiB-aligned offsets so ONNX Runtime can memory-map them instead of
+copying (the Windows allocation granularity, a multiple of the page size elsewhere); small ones
+(norms, gates) are packed at 64-byte alignment so a tiny model's file is not mostly padding.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class WeightPlan:
                 arr = np.ascontiguousarray(w.make(), dtype=w.dtype)
                 if arr.shape != w.shape:
                     raise AssertionError(f"weight {name}: made {arr.shape}, planned {w.shape}")
-                pad = (-f.tell()) % ALIGN
+                pad = (-f.tell()) % ALIGN if arr.nbytes >= ALIGN else (-f.tell()) % 64
                 f.write(b"\0" * pad)
                 offset = f.tell()
                 f.write(arr.tobytes())

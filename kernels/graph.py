@@ -96,7 +96,7 @@ class GraphBuilder:
 
     def model(self, placements: dict[str, tuple[str, int, int]] | None = None) -> onnx.ModelProto:
         """placements: weight name -> (file, offset, length) of its bytes in the external data file."""
-        inits = [numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in self.initializers.items()]
+        inits = [numpy_helper.from_array(np.asarray(v, order="C"), k) for k, v in self.initializers.items()]
         for name, (shape, dtype) in self.external.items():
             location, offset, length = placements[name]
             t = onnx.TensorProto(name=name, data_type=NP_TO_ONNX[dtype], dims=list(shape))

@@ -1,0 +1,56 @@
+"""Shared, session-scoped fixtures: tiny checkpoints (built with transformers, offline) and their
+exports. Building is cheap (< 1 s each) but exports are reused across test files."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import fixtures  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # tiny reference models: one thread is as fast and immune to a busy second core
+
+from hybrid_npu.export.exporter import export  # noqa: E402
+
+CHUNK = 8  # small C so prompts of C-1, C, 3C+7 and 10C tokens stay fast
+
+
+class Built:
+    def __init__(self, src, out, ref):
+        self.src, self.out, self.ref = src, out, ref
+
+
+def _build(tmp_path_factory, name, writer, **kw):
+    root = tmp_path_factory.mktemp(name)
+    ref = writer(root / "hf", **kw)
+    export(root / "hf", root / "export", chunk=CHUNK)
+    return Built(root / "hf", root / "export", ref)
+
+
+@pytest.fixture(scope="session")
+def text_tied(tmp_path_factory):
+    return _build(tmp_path_factory, "text_tied", fixtures.write_text_checkpoint, seed=1, tie=True)
+
+
+@pytest.fixture(scope="session")
+def text_untied(tmp_path_factory):
+    return _build(tmp_path_factory, "text_untied", fixtures.write_text_checkpoint, seed=2, tie=False)
+
+
+@pytest.fixture(scope="session")
+def release_tied(tmp_path_factory):
+    return _build(tmp_path_factory, "release_tied", fixtures.write_release_checkpoint, seed=3, tie=True,
+                  with_mtp=True, sharded=True)
+
+
+@pytest.fixture(scope="session")
+def release_untied(tmp_path_factory):
+    return _build(tmp_path_factory, "release_untied", fixtures.write_release_checkpoint, seed=4, tie=False,
+                  with_mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_next(tmp_path_factory):
+    return _build(tmp_path_factory, "qwen3_next", fixtures.write_qwen3_next_checkpoint, seed=5)

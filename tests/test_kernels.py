@@ -1,0 +1,276 @@
+"""Each kernel three ways: numpy reference, transformers' own torch function, ONNX on the CPU EP.
+
+Shapes differ on every axis (Hk != Hv, Dk != Dv, odd token counts) so a transposed or swapped
+axis cannot pass by accident.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from onnx_helpers import run_graph
+from transformers.models.qwen3_5 import modeling_qwen3_5 as M5
+
+from hybrid_npu.kernels import attention, conv, delta_rule, norms, rope
+from hybrid_npu.kernels.graph import GraphBuilder
+
+HK, HV, DK, DV = 2, 6, 12, 10
+
+
+def gdn_inputs(n, seed=0, dtype=np.float32):
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((n, HK, DK)).astype(dtype)
+    k = r.standard_normal((n, HK, DK)).astype(dtype)
+    v = r.standard_normal((n, HV, DV)).astype(dtype)
+    g = -np.abs(r.standard_normal((n, HV))).astype(dtype) * 0.5
+    beta = (1 / (1 + np.exp(-r.standard_normal((n, HV))))).astype(dtype)
+    S = (r.standard_normal((HV, DK, DV)) * 0.3).astype(dtype)
+    return q, k, v, g, beta, S
+
+
+def hf_delta(fn, q, k, v, g, beta, S, **kw):
+    t = [torch.from_numpy(x)[None] for x in (q, k, v, g, beta)]
+    o, s = fn(*t[:3], g=t[3], beta=t[4], initial_state=torch.from_numpy(S)[None], output_final_state=True,
+              use_qk_l2norm_in_kernel=True, **kw)
+    return o[0].numpy(), s[0].numpy()
+
+
+def emit_delta_graph(n, tree=False):
+    g = GraphBuilder("delta")
+    q = g.input("q", np.float32, [n, HK, DK])
+    k = g.input("k", np.float32, [n, HK, DK])
+    v = g.input("v", np.float32, [n, HV, DV])
+    gate = g.input("g", np.float32, [n, HV])
+    beta = g.input("beta", np.float32, [n, HV])
+    S = g.input("S", np.float32, [HV, DK, DV])
+    m = g.input("M", np.float32, [n, n])
+    strict = g.op("Mul", m, g.const(1 - np.eye(n, dtype=np.float32)))
+    o, s_after, (ck, cu, cg) = delta_rule.emit_gated_delta(g, q, k, v, gate, beta, S, m, g.transpose(m, [1, 0]),
+                                                           strict, n=n, hk=HK, hv=HV, dk=DK, dv=DV,
+                                                           chain_state=not tree)
+    g.output(o, "o", np.float32, [n, HV, DV])
+    if tree:
+        g.output(ck, "ck", np.float32, [n, HV, DK])
+        g.output(cu, "cu", np.float32, [n, HV, DV])
+        g.output(cg, "cg", np.float32, [n, HV])
+    else:
+        g.output(s_after, "S_out", np.float32, [HV, DK, DV])
+    return g
+
+
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_delta_rule_numpy_vs_transformers_vs_onnx(n):
+    q, k, v, g, beta, S = gdn_inputs(n, seed=n)
+    o_ref, s_ref = delta_rule.gated_delta_recurrent_ref(*(x.astype(np.float64) for x in (q, k, v, g, beta, S)))
+    o_hf, s_hf = hf_delta(M5.torch_recurrent_gated_delta_rule, q, k, v, g, beta, S)
+    np.testing.assert_allclose(o_hf, o_ref, atol=2e-5)
+    np.testing.assert_allclose(s_hf, s_ref, atol=2e-5)
+    if n > 1:
+        o_chunk, s_chunk = hf_delta(M5.torch_chunk_gated_delta_rule, q, k, v, g, beta, S)
+        np.testing.assert_allclose(o_chunk, o_ref, atol=2e-5)
+    causal = np.tril(np.ones((n, n)))
+    o_masked, commit = delta_rule.gated_delta_masked_ref(*(x.astype(np.float64) for x in (q, k, v, g, beta, S)), causal)
+    np.testing.assert_allclose(o_masked, o_ref, atol=1e-10)
+    np.testing.assert_allclose(delta_rule.commit_state_ref(S.astype(np.float64), commit, list(range(n))), s_ref,
+                               atol=1e-10)
+    o_onnx, s_onnx = run_graph(emit_delta_graph(n), dict(q=q, k=k, v=v, g=g, beta=beta, S=S,
+                                                         M=causal.astype(np.float32)))
+    np.testing.assert_allclose(o_onnx, o_ref, atol=2e-5)
+    np.testing.assert_allclose(s_onnx, s_ref, atol=2e-5)
+
+
+def tree_parents():
+    # 12 nodes in topological order, depth up to 5, several branches
+    return [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 9, 4]
+
+
+def root_path(parents, m):
+    path = []
+    while m >= 0:
+        path.append(m)
+        m = parents[m]
+    return path[::-1]
+
+
+def ancestor_mask(parents):
+    n = len(parents)
+    M = np.zeros((n, n))
+    for i in range(n):
+        for j in root_path(parents, i):
+            M[i, j] = 1
+    return M
+
+
+def test_tree_delta_rule_matches_recurrence_along_every_path():
+    parents = tree_parents()
+    n = len(parents)
+    q, k, v, g, beta, S = gdn_inputs(n, seed=3)
+    M = ancestor_mask(parents)
+    o_onnx, ck, cu, cg = run_graph(emit_delta_graph(n, tree=True),
+                                   dict(q=q, k=k, v=v, g=g, beta=beta, S=S, M=M.astype(np.float32)))
+    for m in range(n):
+        path = root_path(parents, m)
+        o_path, s_path = delta_rule.gated_delta_recurrent_ref(
+            *(x[path].astype(np.float64) for x in (q, k, v, g, beta)), S.astype(np.float64))
+        np.testing.assert_allclose(o_onnx[m], o_path[-1], atol=2e-5)
+        s_commit = delta_rule.commit_state_ref(S.astype(np.float64), (ck, cu, cg), path)
+        np.testing.assert_allclose(s_commit, s_path, atol=2e-5)
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_delta_rule_stress_near_parallel_keys(n):
+    """Near-parallel keys, g ≈ 0, β ≈ 1: where high powers of A blow up (gotcha 8)."""
+    r = np.random.default_rng(n)
+    base = r.standard_normal((1, HK, DK))
+    k = (base + 1e-2 * r.standard_normal((n, HK, DK))).astype(np.float32)
+    q = r.standard_normal((n, HK, DK)).astype(np.float32)
+    v = r.standard_normal((n, HV, DV)).astype(np.float32)
+    g = (-1e-4 * np.abs(r.standard_normal((n, HV)))).astype(np.float32)
+    beta = np.full((n, HV), 0.999, np.float32)
+    S = (r.standard_normal((HV, DK, DV)) * 0.3).astype(np.float32)
+    o_ref, s_ref = delta_rule.gated_delta_recurrent_ref(*(x.astype(np.float64) for x in (q, k, v, g, beta, S)))
+    o, s = run_graph(emit_delta_graph(n), dict(q=q, k=k, v=v, g=g, beta=beta, S=S,
+                                               M=np.tril(np.ones((n, n), np.float32))))
+    assert np.abs(o - o_ref).max() / np.abs(o_ref).max() <= 1e-4
+    assert np.abs(s - s_ref).max() / np.abs(s_ref).max() <= 1e-4
+
+
+def test_unit_lower_solve_is_exact_for_ragged_sizes():
+    for n in (3, 8, 13, 20):
+        r = np.random.default_rng(n)
+        A = np.tril(r.standard_normal((2, n, n)) * 0.5, -1).astype(np.float32)
+        R = r.standard_normal((2, n, 4)).astype(np.float32)
+        g = GraphBuilder("solve")
+        a, rr = g.input("A", np.float32, [2, n, n]), g.input("R", np.float32, [2, n, 4])
+        g.output(delta_rule.emit_unit_lower_solve(g, a, rr, 2, n, 4), "U", np.float32, [2, n, 4])
+        (U,) = run_graph(g, {"A": A, "R": R})
+        want = np.linalg.solve(np.eye(n) + A.astype(np.float64), R.astype(np.float64))
+        np.testing.assert_allclose(U, want, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- conv
+
+C_CONV, K_CONV = 11, 4
+
+
+def test_short_conv_numpy_vs_transformers_vs_onnx():
+    r = np.random.default_rng(0)
+    n = 9
+    x = r.standard_normal((n, C_CONV)).astype(np.float32)
+    state = r.standard_normal((C_CONV, K_CONV - 1)).astype(np.float32)
+    w = r.standard_normal((C_CONV, K_CONV)).astype(np.float32)
+    y_ref, new_ref = conv.short_conv_ref(x, state, w)
+    # transformers: a K-column state whose first column is never read; decode steps one at a time
+    hf_state = torch.from_numpy(np.concatenate([np.zeros((C_CONV, 1), np.float32), state], 1))[None].clone()
+    ys = [M5.causal_conv1d_update(torch.from_numpy(x[t])[None, :, None], hf_state, torch.from_numpy(w), None, "silu")
+          for t in range(n)]
+    np.testing.assert_allclose(torch.cat(ys, -1)[0].T.numpy(), y_ref, atol=1e-5)
+    np.testing.assert_allclose(hf_state[0, :, 1:].numpy(), new_ref, atol=1e-6)
+    g = GraphBuilder("conv")
+    xi, si = g.input("x", np.float32, [n, C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])
+    sel = g.input("sel", np.float32, [K_CONV - 1, K_CONV - 1 + n])
+    y, new = conv.emit_short_conv(g, xi, si, g.const(w.T.copy()), n, K_CONV, sel, None)
+    g.output(y, "y", np.float32, [n, C_CONV])
+    g.output(new, "new", np.float32, [C_CONV, K_CONV - 1])
+    for valid in (n, 5):
+        y_o, new_o = run_graph(g, {"x": x, "s": state, "sel": conv.chain_state_select(valid, n, K_CONV)})
+        np.testing.assert_allclose(y_o, y_ref, atol=1e-5)
+        np.testing.assert_allclose(new_o, conv.short_conv_ref(x, state, w, valid)[1], atol=1e-6)
+
+
+def test_tree_conv_reads_each_nodes_own_path():
+    parents = tree_parents()
+    n = len(parents)
+    r = np.random.default_rng(1)
+    x = r.standard_normal((n, C_CONV)).astype(np.float32)
+    state = r.standard_normal((C_CONV, K_CONV - 1)).astype(np.float32)
+    w = r.standard_normal((C_CONV, K_CONV)).astype(np.float32)
+    y_tree = conv.tree_conv_ref(x, state, w, parents)
+    g = GraphBuilder("tconv")
+    xi, si = g.input("x", np.float32, [n, C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])
+    ts = g.input("ts", np.float32, [K_CONV - 1, n, K_CONV - 1 + n])
+    y, _ = conv.emit_short_conv(g, xi, si, g.const(w.T.copy()), n, K_CONV, None, ts)
+    g.output(y, "y", np.float32, [n, C_CONV])
+    (y_onnx,) = run_graph(g, {"x": x, "s": state, "ts": conv.tree_conv_select(parents, K_CONV)})
+    for m in range(n):
+        path = root_path(parents, m)
+        y_chain, _ = conv.short_conv_ref(x[path], state, w)
+        np.testing.assert_allclose(y_tree[m], y_chain[-1], atol=1e-6)
+        np.testing.assert_allclose(y_onnx[m], y_chain[-1], atol=1e-5)
+
+
+# ---------------------------------------------------------------- norms, rope, attention
+
+def test_norms_numpy_vs_transformers_vs_onnx():
+    r = np.random.default_rng(2)
+    x = r.standard_normal((7, 3, 10)).astype(np.float32)
+    z = r.standard_normal((7, 3, 10)).astype(np.float32)
+    w = (r.standard_normal(10) * 0.3).astype(np.float32)
+    hf1 = M5.Qwen3_5RMSNorm(10, eps=1e-6)
+    hf1.weight.data = torch.from_numpy(w)
+    hfg = M5.Qwen3_5RMSNormGated(10, eps=1e-6)
+    hfg.weight.data = torch.from_numpy(1 + w)
+    with torch.no_grad():
+        want1 = hf1(torch.from_numpy(x)).numpy()
+        wantg = hfg(torch.from_numpy(x), torch.from_numpy(z)).numpy()
+    np.testing.assert_allclose(norms.rmsnorm_1p_ref(x, w, 1e-6), want1, atol=1e-5)
+    np.testing.assert_allclose(norms.gated_rmsnorm_ref(x, z, 1 + w, 1e-6), wantg, atol=1e-5)
+    g = GraphBuilder("norms")
+    xi, zi = g.input("x", np.float32, [7, 3, 10]), g.input("z", np.float32, [7, 3, 10])
+    g.output(norms.emit_rmsnorm_1p(g, xi, g.const(w), 1e-6), "a", np.float32, [7, 3, 10])
+    g.output(norms.emit_gated_rmsnorm(g, xi, zi, g.const(1 + w), 1e-6), "b", np.float32, [7, 3, 10])
+    a, b = run_graph(g, {"x": x, "z": z})
+    np.testing.assert_allclose(a, want1, atol=1e-5)
+    np.testing.assert_allclose(b, wantg, atol=1e-5)
+
+
+def test_partial_rope_numpy_vs_transformers_vs_onnx():
+    from transformers import Qwen3_5TextConfig
+
+    hd, theta = 24, 1e7
+    cfg = Qwen3_5TextConfig(hidden_size=48, num_attention_heads=4, head_dim=hd, rope_parameters={
+        "rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 1],
+        "mrope_interleaved": True})
+    positions = np.array([0, 1, 7, 1000, 70000])
+    emb = M5.Qwen3_5TextRotaryEmbedding(cfg)
+    x = np.random.default_rng(4).standard_normal((5, 3, hd)).astype(np.float32)
+    with torch.no_grad():
+        cos_t, sin_t = emb(torch.zeros(1), torch.from_numpy(positions)[None])
+        q_hf, _ = M5.apply_rotary_pos_emb(torch.from_numpy(x).transpose(0, 1)[None], torch.from_numpy(x).transpose(0, 1)[None],
+                                          cos_t, sin_t)
+    cos, sin = rope.rope_tables(positions, 6, theta)
+    np.testing.assert_allclose(cos, cos_t[0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(sin, sin_t[0].numpy(), atol=1e-6)
+    want = q_hf[0].transpose(0, 1).numpy()
+    np.testing.assert_allclose(rope.partial_rope_ref(x, cos, sin), want, atol=1e-5)
+    g = GraphBuilder("rope")
+    xi = g.input("x", np.float32, [5, 3, hd])
+    c, s = g.input("c", np.float32, [5, 6]), g.input("s", np.float32, [5, 6])
+    g.output(rope.emit_partial_rope(g, xi, g.unsqueeze(c, [1]), g.unsqueeze(s, [1]), hd, 6), "y", np.float32, [5, 3, hd])
+    (y,) = run_graph(g, {"x": x, "c": cos, "s": sin})
+    np.testing.assert_allclose(y, want, atol=1e-5)
+
+
+def test_gqa_attention_numpy_vs_torch_vs_onnx():
+    r = np.random.default_rng(5)
+    n, nh, nkv, hd, past = 5, 6, 2, 8, 9
+    q = r.standard_normal((n, nh, hd)).astype(np.float32)
+    keys = r.standard_normal((nkv, past + n, hd)).astype(np.float32)
+    values = r.standard_normal((nkv, past + n, hd)).astype(np.float32)
+    mask = np.zeros((n, past + n), np.float32)
+    mask[:, 3:past] = attention.MASKED  # some past rows invalid
+    mask[:, past:] = np.where(np.tril(np.ones((n, n))) > 0, 0, attention.MASKED)
+    ref = attention.gqa_attention_ref(q, keys, values, mask)
+    kt = M5.repeat_kv(torch.from_numpy(keys)[None], nh // nkv)
+    vt = M5.repeat_kv(torch.from_numpy(values)[None], nh // nkv)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(q).transpose(0, 1)[None], kt, vt, attn_mask=torch.from_numpy(mask))[0].transpose(0, 1).numpy()
+    np.testing.assert_allclose(ref, want, atol=1e-5)
+    g = GraphBuilder("attn")
+    qi = g.input("q", np.float32, [n, nh, hd])
+    ki, vi = g.input("k", np.float32, [nkv, past + n, hd]), g.input("v", np.float32, [nkv, past + n, hd])
+    mi = g.input("m", np.float32, [n, past + n])
+    g.output(attention.emit_gqa_attention(g, qi, ki, vi, mi, n=n, nh=nh, nkv=nkv, hd=hd), "o", np.float32, [n, nh, hd])
+    (o,) = run_graph(g, {"q": q, "k": keys, "v": values, "m": mask})
+    np.testing.assert_allclose(o, want, atol=1e-5)
+    assert math.isfinite(float(o.sum()))

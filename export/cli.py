@@ -1,15 +1,15 @@
 """export-hybrid SRC OUT: a Hugging Face Qwen3.5 checkpoint → an ONNX export directory."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from hybrid_npu.cli_common import OneLineParser
 from hybrid_npu.errors import UserError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="export-hybrid", description=__doc__)
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="export-hybrid", description=__doc__)
     p.add_argument("source", help="local Hugging Face checkpoint directory (config.json + *.safetensors)")
     p.add_argument("output", help="directory to write the export into")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: tokens per prefill call (default 128)")
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse already printed one usage line + the error; keep its exit code 2
+    except SystemExit as e:  # --help (0) or a bad flag, already reported in one line (2)
         return int(e.code or 0)
     from hybrid_npu.export.exporter import export
 

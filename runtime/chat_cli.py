@@ -1,12 +1,13 @@
 """npu-chat: the terminal REPL. Until its own issue lands it only explains itself."""
 from __future__ import annotations
 
-import argparse
 import sys
+
+from hybrid_npu.cli_common import OneLineParser
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="npu-chat", description="Chat with an exported hybrid model (REPL coming; "
+    p = OneLineParser(prog="npu-chat", description="Chat with an exported hybrid model (REPL coming; "
                                 "for now use the Python API: hybrid_npu.load(DIR).generate(...)).")
     p.add_argument("model", nargs="?", help="an export-hybrid output directory")
     try:

@@ -35,6 +35,7 @@ class Engine:
         self.chunk = int(self.manifest["chunk"])
         self.profile = profile
         opts = ort.SessionOptions()
+        opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
         if threads:
             opts.intra_op_num_threads = threads
         self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts,

@@ -1,6 +1,7 @@
 """Every bad input ends in one line naming the problem, exit code 2, no traceback, and nothing
 half-written in the output directory."""
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from hybrid_npu.errors import UserError
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "hybrid_npu.export.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "hybrid_npu.export.cli", *map(str, args)], cwd=Path(args[0]).parent,
                           capture_output=True, text=True, timeout=300)
 
 

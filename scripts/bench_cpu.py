@@ -1,0 +1,110 @@
+"""CPU prefill and decode speed: our runtime vs transformers eager, same checkpoint, same threads.
+
+Random weights with the real Qwen3.5-0.8B text config (speed does not depend on the values).
+Prints one JSON object; llama.cpp is added when a `llama-bench` binary and a GGUF are given.
+
+    python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_checkpoint import make_random_checkpoint  # noqa: E402
+
+
+def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -> dict:
+    import hybrid_npu
+
+    t0 = time.perf_counter()
+    engine = hybrid_npu.load(export_dir, threads=threads)
+    load_s = time.perf_counter() - t0
+    engine.prefill_logits(prompt[:16])  # warm-up
+    t0 = time.perf_counter()
+    engine.prefill_logits(prompt)
+    prefill_s = time.perf_counter() - t0
+    engine.generate(prompt[:16], decode, stop_at_eos=False)
+    return {"load_s": round(load_s, 2), "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
+            "decode_tokens_per_s": round(engine.last_stats["decode_tokens_per_s"], 2),
+            "rss_gb": round(psutil.Process().memory_info().rss / 1e9, 2)}
+
+
+def bench_transformers(src: Path, threads: int, prompt: list[int], decode: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        model(torch.tensor([prompt[:16]]))  # warm-up
+        t0 = time.perf_counter()
+        model(torch.tensor([prompt]))
+        prefill_s = time.perf_counter() - t0
+        out = model(torch.tensor([prompt[:16]]), use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(decode):
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        decode_s = time.perf_counter() - t0
+    return {"prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
+            "decode_tokens_per_s": round(decode / decode_s, 2)}
+
+
+def bench_llama_cpp(gguf: Path | None, threads: int, prefill: int, decode: int) -> dict | None:
+    exe = shutil.which("llama-bench")
+    if not exe or not gguf:
+        return None
+    out = subprocess.run([exe, "-m", str(gguf), "-t", str(threads), "-p", str(prefill), "-n", str(decode), "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    return {r["n_prompt"] and "prefill_tokens_per_s" or "decode_tokens_per_s": r["avg_ts"] for r in rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/hybrid-npu-bench"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--gguf", type=Path, help="the same checkpoint as GGUF, for llama-bench (optional)")
+    args = ap.parse_args()
+
+    from hybrid_npu.export.exporter import export
+    from hybrid_npu.export.manifest import is_export
+
+    src = make_random_checkpoint("0.8B", args.workdir / "qwen35-0.8b-random")
+    out = args.workdir / "qwen35-0.8b-export"
+    if not is_export(out):
+        export(src, out, chunk=128, force=True)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 200_000, args.prefill)]
+    result = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": psutil.cpu_count(),
+                    "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "threads": args.threads},
+        "model": "Qwen3.5-0.8B text config, random weights, fp32",
+        "prefill_tokens": args.prefill, "decode_tokens": args.decode,
+        "hybrid_npu_cpu": bench_ours(out, args.threads, prompt, args.decode),
+    }
+    if not args.skip_transformers:
+        result["transformers_eager"] = bench_transformers(src, args.threads, prompt, args.decode)
+        ours, hf = result["hybrid_npu_cpu"], result["transformers_eager"]
+        result["speedup_vs_transformers"] = {k: round(ours[k] / hf[k], 2) for k in
+                                             ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    result["llama_cpp"] = bench_llama_cpp(args.gguf, args.threads, args.prefill, args.decode)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

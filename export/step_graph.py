@@ -63,7 +63,7 @@ class _Builder:
         return stored if entry.dtype == np.float32 else self.g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
 
     def linear(self, x: str, name: str, sources: list[str], in_dim: int, out_dims: list[int]) -> list[str]:
-        y = self.g.matmul(x, self.w(self.plan.matmul_weight(name, sources, in_dim, out_dims)))
+        y = self.g.op("Gemm", x, self.w(self.plan.linear_weight(name, sources, in_dim, out_dims)), transB=1)
         return [y] if len(out_dims) == 1 else self.g.split(y, out_dims, axis=-1)
 
     def norm1p(self, x: str, src: str, size: int) -> str:
@@ -97,9 +97,9 @@ class _Builder:
             mixed = self.gdn(h, i) if c.layer_types[i] == LINEAR else self.attention(h, i)
             x = g.op("Add", x, mixed)
             h = self.norm1p(x, p + "post_attention_layernorm.weight", c.hidden_size)
-            gate, up = self.linear(h, p + "mlp.gate_up.T", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            gate, up = self.linear(h, p + "mlp.gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                                    c.hidden_size, [c.intermediate_size] * 2)
-            down = self.linear(g.op("Mul", g.silu(gate), up), p + "mlp.down_proj.T", [p + "mlp.down_proj.weight"],
+            down = self.linear(g.op("Mul", g.silu(gate), up), p + "mlp.down_proj", [p + "mlp.down_proj.weight"],
                                c.intermediate_size, [c.hidden_size])[0]
             x = g.op("Add", x, down)
         if layers.stop == c.num_layers:
@@ -129,7 +129,7 @@ class _Builder:
         a = f"layers.{i}.linear_attn."
         hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                              c.linear_value_head_dim, c.linear_conv_kernel_dim)
-        qkv, z, b, a_in = self.linear(h, a + "in_proj_all.T", [a + s + ".weight" for s in
+        qkv, z, b, a_in = self.linear(h, a + "in_proj_all", [a + s + ".weight" for s in
                                       ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")],
                                       c.hidden_size, [c.conv_dim, hv * dv, hv, hv])
         conv_state = g.input(f"conv_state.{i}", np.float32, [c.conv_dim, k - 1])
@@ -156,14 +156,14 @@ class _Builder:
             g.output(S_after, f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
         normed = emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), self.w(self.plan.vector(a + "norm.weight", dv)),
                                     c.rms_norm_eps)
-        return self.linear(g.reshape(normed, [n, hv * dv]), a + "out_proj.T", [a + "out_proj.weight"],
+        return self.linear(g.reshape(normed, [n, hv * dv]), a + "out_proj", [a + "out_proj.weight"],
                            hv * dv, [c.hidden_size])[0]
 
     def attention(self, h: str, i: int) -> str:
         c, g, n = self.cfg, self.g, self.n
         a = f"layers.{i}.self_attn."
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qg, k, v = self.linear(h, a + "qkv.T", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+        qg, k, v = self.linear(h, a + "qkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                                c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
         q, gate = g.split(g.reshape(qg, [n, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (gotcha 2)
         q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), self.cos, self.sin, hd, c.rotary_dim)
@@ -177,7 +177,7 @@ class _Builder:
         keys, values = g.op("Concat", past_k, new_k, axis=1), g.op("Concat", past_v, new_v, axis=1)
         attn = emit_gqa_attention(g, q, keys, values, self.attn_mask, n=n, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", g.reshape(attn, [n, nh * hd]), g.op("Sigmoid", g.reshape(gate, [n, nh * hd])))
-        return self.linear(gated, a + "o_proj.T", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
+        return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
 
     def head(self, x: str) -> None:
         c, g, n = self.cfg, self.g, self.n
@@ -189,8 +189,8 @@ class _Builder:
             table = self.w(self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size)))
             logits = g.op("Gemm", h, table, transB=1)
         else:
-            logits = g.matmul(h, self.w(self.plan.matmul_weight("lm_head.T", ["lm_head.weight"], c.hidden_size,
-                                                                [c.vocab_size])))
+            logits = g.op("Gemm", h, self.w(self.plan.linear_weight("lm_head", ["lm_head.weight"], c.hidden_size,
+                                                                    [c.vocab_size])), transB=1)
         g.output(logits, "logits", np.float32, [rows, c.vocab_size])
 
 

@@ -40,12 +40,13 @@ class WeightPlan:
         """Norm weights, gates: always fp32 (research: the state path stays fp32)."""
         return self.add(src, (size,), lambda: self.load(src).astype(np.float32))
 
-    def matmul_weight(self, name: str, sources: list[str], in_dim: int, out_dims: list[int]) -> str:
-        """[in, Σout] for MatMul(x, W): the sources' [out, in] matrices transposed and concatenated,
-        so fused projections (q|k|v, gate|up, qkv|z|b|a) cost one MatMul."""
+    def linear_weight(self, name: str, sources: list[str], in_dim: int, out_dims: list[int]) -> str:
+        """[Σout, in] for Gemm(x, W, transB=1): the sources' [out, in] matrices as stored by HF,
+        stacked, so fused projections (q|k|v, gate|up, qkv|z|b|a) cost one call. transB keeps each
+        output's weights contiguous: 20 vs 16 GB/s for an M=1 product on ORT's CPU EP here."""
         def make():
-            return np.concatenate([self.load(s).T for s in sources], axis=1).astype(self.matrix_dtype)
-        return self.add(name, (in_dim, sum(out_dims)), make, self.matrix_dtype)
+            return np.concatenate([self.load(s) for s in sources], axis=0).astype(self.matrix_dtype)
+        return self.add(name, (sum(out_dims), in_dim), make, self.matrix_dtype)
 
     def table(self, src: str, shape) -> str:
         """An [rows, cols] table used as stored (embedding, tied lm_head via Gemm transB)."""

@@ -6,6 +6,7 @@ state, the K/V or the output); decode runs the N = 1 graph. Both read and write 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,6 +37,11 @@ class Engine:
         self.profile = profile
         opts = ort.SessionOptions()
         opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
+        # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
+        # the model shares (held once in RAM, 0.4 s to load). Measured on Qwen3.5-0.8B fp32:
+        # decode 0.20 vs 0.26 s/token, prefill 71 vs 85 tokens/s, RSS 3.5 vs 4.5 GB per session.
+        if os.environ.get("HYBRID_NPU_PREPACK") != "1":
+            opts.add_session_config_entry("session.disable_prepacking", "1")
         if threads:
             opts.intra_op_num_threads = threads
         self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts,

@@ -36,7 +36,8 @@ def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -
     engine.generate(prompt[:16], decode, stop_at_eos=False)
     return {"load_s": round(load_s, 2), "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
             "decode_tokens_per_s": round(engine.last_stats["decode_tokens_per_s"], 2),
-            "rss_gb": round(psutil.Process().memory_info().rss / 1e9, 2)}
+            # PSS: the weights file is mapped once per session, so RSS counts its pages twice
+            "pss_gb": round(psutil.Process().memory_full_info().pss / 1e9, 2)}
 
 
 def bench_transformers(src: Path, threads: int, prompt: list[int], decode: int) -> dict:

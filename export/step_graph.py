@@ -139,8 +139,8 @@ class _Builder:
         q, kk, v = g.split(y, [c.key_dim, c.key_dim, c.value_dim], axis=-1)
         q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
         beta = g.op("Sigmoid", b)
-        # g = -exp(A_log) * softplus(a + dt_bias); Softplus input clamped (HTP garbage below -88)
-        sp = g.op("Softplus", g.op("Max", g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv))), g.const(-60.0)))
+        # g = -exp(A_log) * softplus(a + dt_bias)
+        sp = g.softplus(g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv))))
         decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
         if self.valid is not None:  # a padded token neither decays nor writes the state
             beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)

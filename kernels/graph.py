@@ -94,6 +94,13 @@ class GraphBuilder:
         (research/htp-real-size.md bug 1); e^-60 is 0 for every purpose here."""
         return self.op("Exp", self.op("Max", x, self.const(-60.0)))
 
+    def softplus(self, x: str) -> str:
+        """softplus(x) = max(x, 0) + log(1 + e^-|x|): the HTP's own Softplus is off by ~9% near
+        x = -2 (research/htp-real-size.md) and feeds straight into the decay g; this form is exact
+        in fp32 and never exponentiates below -88."""
+        tail = self.op("Log", self.op("Add", self.const(1.0), self.safe_exp(self.op("Neg", self.op("Abs", x)))))
+        return self.op("Add", self.op("Relu", x), tail)
+
     def model(self, placements: dict[str, tuple[str, int, int]] | None = None) -> onnx.ModelProto:
         """placements: weight name -> (file, offset, length) of its bytes in the external data file."""
         inits = [numpy_helper.from_array(np.asarray(v, order="C"), k) for k, v in self.initializers.items()]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -16,42 +17,65 @@ import onnxruntime as ort
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.profiles.loader import load_profile
 
+from .npu_sessions import NPU_DEVICE, open_npu_prefill
+from .pipeline import Pipeline
+from .qnn import NpuUnavailable
 from .sampling import choose
-from .state import State
+from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
 MANIFEST = "model.json"
+PREFILL_MODES = ("auto", "npu", "cpu")
+CPU_DEVICE = "CPU"
 
 
 class Engine:
-    def __init__(self, path, profile: str = "cpu", threads: int | None = None):
+    def __init__(self, path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None):
         self.path = Path(path)
         manifest_file = self.path / MANIFEST
         if not manifest_file.exists():
             raise UserError(f"{self.path} is not a hybrid-npu export (no {MANIFEST}); "
                             f"create one with: export-hybrid CHECKPOINT {self.path}")
+        if prefill not in PREFILL_MODES:
+            raise UserError(f"prefill={prefill!r} is not one of {', '.join(PREFILL_MODES)}")
         self.manifest = json.loads(manifest_file.read_text())
         self.config = ModelConfig.from_dict(self.manifest["config"])
         self.chunk = int(self.manifest["chunk"])
-        self.profile = profile
+        self.profile = load_profile(profile)
+        self.prefill_mode = prefill
         opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
         opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
         # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
         # the model shares (held once in RAM, 0.4 s to load). Measured on Qwen3.5-0.8B fp32:
         # decode 0.20 vs 0.26 s/token, prefill 71 vs 85 tokens/s, RSS 3.5 vs 4.5 GB per session.
         if os.environ.get("HYBRID_NPU_PREPACK") != "1":
             opts.add_session_config_entry("session.disable_prepacking", "1")
-        if threads:
-            opts.intra_op_num_threads = threads
-        self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts,
-                                                    providers=["CPUExecutionProvider"])
-                         for name, g in self.manifest["graphs"].items()}
-        self._outputs = {name: [o.name for o in s.get_outputs()] for name, s in self.sessions.items()}
-        self._inputs = {name: {i.name for i in s.get_inputs()} for name, s in self.sessions.items()}
+        self.pipelines = {name: Pipeline([ort.InferenceSession(str(self.path / g["file"]), opts,
+                                                               providers=["CPUExecutionProvider"])], CPU_DEVICE)
+                          for name, g in self.manifest["graphs"].items()}
+        self.notice: str | None = None
+        self.kv_capacity = KV_BLOCK
+        if self.profile.has_npu and prefill != "cpu":
+            self._open_npu()
         self.tokenizer = self._load_tokenizer()
-        self.state = State.fresh(self.config)
+        self.state = State.fresh(self.config, self.kv_capacity)
         self.last_stats: dict = {}
+
+    def _open_npu(self) -> None:
+        """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max."""
+        try:
+            self.pipelines["npu_prefill"] = open_npu_prefill(self.path, self.manifest, self.profile)
+        except NpuUnavailable as e:
+            if self.prefill_mode == "npu":
+                raise UserError(f"prefill='npu' but {e}") from None
+            self.notice = f"profile {self.profile.name}: {e}; running on the CPU"
+            print(f"hybrid-npu: {self.notice}", file=sys.stderr)
+            return
+        self.kv_capacity = self.profile.attention_capacity  # planned once: the NPU reads the K/V in place
 
     def _load_tokenizer(self):
         f = self.path / "tokenizer.json"
@@ -62,16 +86,14 @@ class Engine:
 
     # ---------------------------------------------------------------- steps
     def reset(self) -> None:
-        self.state = State.fresh(self.config)
+        self.state = State.fresh(self.config, self.kv_capacity)
 
     def _step(self, graph: str, ids: list[int]) -> np.ndarray:
         """Advance the state by `ids` through one call of `graph`; returns the last token's logits."""
-        n = self.manifest["graphs"][graph]["n"]
+        n = self.manifest["graphs"]["decode" if graph == "decode" else "prefill"]["n"]
         self._check_ids(ids)
         self.state.ensure_capacity(self.state.position + n)
-        feed = chain_feed(self.config, self.state, ids, n)
-        feed = {k: v for k, v in feed.items() if k in self._inputs[graph]}
-        out = dict(zip(self._outputs[graph], self.sessions[graph].run(self._outputs[graph], feed)))
+        out = self.pipelines[graph].run(chain_feed(self.config, self.state, ids, n))
         commit_chain(self.state, out, ids)
         return out["logits"][0]
 
@@ -80,15 +102,30 @@ class Engine:
         if bad:
             raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
 
+    def _npu_fits(self, n_new: int) -> bool:
+        """An NPU chunk needs the planned K/V capacity and room for C more rows in it."""
+        return ("npu_prefill" in self.pipelines and self.state.capacity == self.kv_capacity
+                and self.state.position + self.chunk <= self.kv_capacity)
+
+    def _wants_npu(self, n_tokens: int) -> bool:
+        if "npu_prefill" not in self.pipelines:
+            return False
+        return self.prefill_mode == "npu" or n_tokens >= self.profile.npu_prefill_min_tokens
+
     def prefill(self, ids: list[int], progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """Append `ids` to the context in chunks of C; returns the logits after the last one."""
+        """Append `ids` to the context in chunks of C; returns the logits after the last one.
+        Chunks go to the NPU when the profile says so and the planned K/V capacity has room."""
         if not ids:
             raise UserError("empty prompt: give at least one token")
-        logits = None
+        logits, devices = None, []
+        npu = self._wants_npu(len(ids))
         for start in range(0, len(ids), self.chunk):
-            logits = self._step("prefill", list(ids[start: start + self.chunk]))
+            on_npu = npu and self._npu_fits(self.chunk)
+            devices.append(NPU_DEVICE if on_npu else CPU_DEVICE)
+            logits = self._step("npu_prefill" if on_npu else "prefill", list(ids[start: start + self.chunk]))
             if progress:
                 progress(min(start + self.chunk, len(ids)), len(ids))
+        self._prefill_devices = "+".join(dict.fromkeys(devices))
         return logits
 
     def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
@@ -118,8 +155,8 @@ class Engine:
         t_decode = time.perf_counter() - t1
         self.last_stats = {
             "prefill_tokens": len(prompt_ids), "prefill_tokens_per_s": len(prompt_ids) / max(t_prefill, 1e-9),
-            "prefill_device": "CPU", "decode_tokens": len(new),
-            "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": "CPU",
+            "prefill_device": self._prefill_devices, "decode_tokens": len(new),
+            "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": CPU_DEVICE,
             "ttft_s": t_prefill,
         }
         return new

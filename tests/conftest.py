@@ -54,3 +54,20 @@ def release_untied(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_next(tmp_path_factory):
     return _build(tmp_path_factory, "qwen3_next", fixtures.write_qwen3_next_checkpoint, seed=5)
+
+
+@pytest.fixture(scope="session")
+def htp_profile(tmp_path_factory):
+    """The X Elite profile sized for the emulator: T_max 64 (the tiny prompts fit), finalization
+    mode 1 (compiles 2-8x faster, research/htp-real-size.md). A user profile file, as users write them."""
+    import re
+
+    from hybrid_npu.profiles.loader import load_profile
+
+    text = load_profile("snapdragon-x-elite").source.read_text()
+    for key, value in (("name", '"test-htp"'), ("attention_capacity", "96"), ("graph_finalization", "1"),
+                       ("prefill_chunk", str(CHUNK))):
+        text = re.sub(rf"(?m)^{key}\s*=\s*\S+", f"{key} = {value}", text)
+    path = tmp_path_factory.mktemp("profiles") / "test-htp.toml"
+    path.write_text(text)
+    return str(path)

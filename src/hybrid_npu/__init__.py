@@ -5,8 +5,12 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def load(path, profile: str = "cpu", threads: int | None = None):
-    """Open an exported model directory; returns an Engine (`.generate`, `.prefill_logits`, `.tokenizer`)."""
+def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None):
+    """Open an exported model directory; returns an Engine (`.generate`, `.prefill_logits`, `.tokenizer`).
+
+    profile: a device profile name or TOML path ("cpu", "snapdragon-x-elite", ...).
+    prefill: "npu" runs every prefill chunk on the NPU, "cpu" never, "auto" follows the profile.
+    """
     from hybrid_npu.runtime.engine import Engine
 
-    return Engine(path, profile=profile, threads=threads)
+    return Engine(path, profile=profile, prefill=prefill, threads=threads)

@@ -1,0 +1,49 @@
+"""Split a model into contiguous layer ranges for the NPU (design §6, issue: parts).
+
+The HTP has a per-context memory ceiling, ONNX protobuf a 2 GB limit, and HTP compile time grows
+roughly quadratically with node count (research/htp-real-size.md), so NPU graphs are cut into
+parts of at most `budget` weight bytes: the embedding rides with the first part, the final norm
+and lm_head with the last, the hidden state passes from part to part and each part carries only
+its own layers' state.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.errors import UserError
+
+from .checkpoint import expected_shapes
+
+
+def layer_weight_bytes(cfg: ModelConfig, itemsize: int = 4) -> tuple[int, list[int], int]:
+    """(embedding bytes, bytes per layer, head bytes) as stored for the NPU graphs."""
+    shapes = expected_shapes(cfg)
+    per_layer = [0] * cfg.num_layers
+    for name, shape in shapes.items():
+        if name.startswith("layers."):
+            per_layer[int(name.split(".")[1])] += int(np.prod(shape)) * itemsize
+    embed = int(np.prod(shapes["embed_tokens.weight"])) * itemsize
+    head = int(np.prod(shapes["norm.weight"])) * itemsize + (0 if cfg.tie_word_embeddings else embed)
+    return embed, per_layer, head + (embed if cfg.tie_word_embeddings else 0)
+
+
+def plan_parts(cfg: ModelConfig, budget: int, itemsize: int = 4) -> list[tuple[int, int]]:
+    """Greedy contiguous [start, end) layer ranges whose weights fit `budget`; the embedding counts
+    with layer 0, the head with the last part, or alone as the range (L, L) when it does not fit."""
+    embed, per_layer, head = layer_weight_bytes(cfg, itemsize)
+    parts, start, used = [], 0, 0
+    for i, b in enumerate(per_layer):
+        b += embed if i == 0 else 0
+        if b > budget:
+            raise UserError(f"part_weight_bytes {budget} cannot hold layer {i} ({b} bytes); raise it in the profile")
+        if used and used + b > budget:
+            parts.append((start, i))
+            start, used = i, 0
+        used += b
+    if head > budget:
+        raise UserError(f"part_weight_bytes {budget} cannot hold the lm_head ({head} bytes); raise it in the profile")
+    parts.append((start, cfg.num_layers))
+    if used + head > budget:
+        parts.append((cfg.num_layers, cfg.num_layers))
+    return parts

@@ -18,13 +18,18 @@ import onnx
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 
+from hybrid_npu.profiles.loader import load_profile
+
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint
+from .context_binaries import compile_contexts
 from .manifest import FORMAT, MANIFEST, is_export, value_infos
+from .parts import htp_itemsize, plan_parts
 from .step_graph import StepSpec, build_step_graph
 from .weights import WeightPlan
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 WEIGHTS_FILE = "weights.bin"
+DEFAULT_CHUNK = 128
 
 
 def graph_specs(chunk: int) -> dict[str, StepSpec]:
@@ -54,9 +59,13 @@ def _prepare_out(out: Path, force: bool) -> None:
                         "choose another path or pass --force to replace it")
 
 
-def export(src, out, *, chunk: int = 128, dtype: str = "fp32", force: bool = False,
-           progress: Callable[[str], None] | None = None) -> dict:
+def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bool = False, profile=None,
+           compile_context: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+    """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
+    HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries."""
     src, out = Path(src), Path(out)
+    prof = load_profile(profile) if profile is not None else None
+    chunk = chunk if chunk is not None else (prof.prefill_chunk if prof else DEFAULT_CHUNK)
     if chunk < 2:
         raise UserError(f"--chunk must be at least 2 (got {chunk}); decode uses its own 1-token graph")
     if dtype not in DTYPES:
@@ -67,7 +76,7 @@ def export(src, out, *, chunk: int = 128, dtype: str = "fp32", force: bool = Fal
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        manifest = _write_export(ck, tmp, chunk, dtype, say)
+        manifest = _write_export(ck, tmp, chunk, dtype, say, prof, compile_context)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -77,13 +86,20 @@ def export(src, out, *, chunk: int = 128, dtype: str = "fp32", force: bool = Fal
     return manifest
 
 
-def _write_export(ck: Checkpoint, tmp: Path, chunk: int, dtype: str, say) -> dict:
+def _write_export(ck: Checkpoint, tmp: Path, chunk: int, dtype: str, say, prof, compile_context: bool) -> dict:
     cfg = ck.config
     plan = WeightPlan(ck.load, DTYPES[dtype])
     graphs_dir = tmp / "graphs"
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
-    builders = {name: build_step_graph(cfg, plan, spec, name) for name, spec in graph_specs(chunk).items()}
+    specs = graph_specs(chunk)
+    parts = []
+    if prof is not None and prof.has_npu:
+        parts = plan_parts(cfg, prof.part_weight_bytes, htp_itemsize(prof))
+        for k, (a, b) in enumerate(parts):
+            specs[f"prefill.{prof.name}.part{k}"] = StepSpec(n=chunk, first_layer=a, end_layer=b)
+        say(f"profile {prof.name}: {len(parts)} NPU part(s), layers {parts}")
+    builders = {name: build_step_graph(cfg, plan, spec, name) for name, spec in specs.items()}
     say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")
     placements = plan.write(graphs_dir / WEIGHTS_FILE)
     graphs = {}
@@ -92,9 +108,16 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, dtype: str, say) -> dic
         path = graphs_dir / f"{name}.onnx"
         onnx.save_model(model, path)
         onnx.checker.check_model(str(path))
-        graphs[name] = {"file": f"graphs/{name}.onnx", "n": graph_specs(chunk)[name].n, "nodes": len(model.graph.node),
+        graphs[name] = {"file": f"graphs/{name}.onnx", "n": specs[name].n, "nodes": len(model.graph.node),
                         "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
         say(f"wrote {path.name}: {len(model.graph.node)} nodes")
+    npu = {}
+    if parts:
+        part_entries = [{**graphs.pop(f"prefill.{prof.name}.part{k}"), "layers": [a, b]}
+                        for k, (a, b) in enumerate(parts)]
+        context = compile_contexts(tmp, [p["file"] for p in part_entries], prof, chunk, say) if compile_context else None
+        npu[prof.name] = {"parts": part_entries, "attention_capacity": prof.attention_capacity, "chunk": chunk,
+                          "profile": prof.to_dict(), "context": context}
     tokenizer_files = []
     for f in TOKENIZER_FILES:
         if (ck.path / f).exists():
@@ -111,7 +134,8 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, dtype: str, say) -> dic
         "dtype": dtype,
         "chunk": chunk,
         "graphs": graphs,
-        "weights": {"file": f"graphs/{WEIGHTS_FILE}", "bytes": plan.total_bytes()},
+        "npu": npu,
+        "weights": {"file": f"graphs/{WEIGHTS_FILE}", "bytes": plan.total_bytes(), "params": plan.total_params()},
         "state": {"layers": state_layout(cfg), "state_bytes": cfg.state_bytes(),
                   "kv_bytes_per_token": cfg.kv_bytes_per_token(), "tap_layers": list(cfg.tap_layers)},
         "tokenizer": {"files": tokenizer_files, "chat_template": chat_template},

@@ -16,6 +16,12 @@ from hybrid_npu.errors import UserError
 from .checkpoint import expected_shapes
 
 
+def htp_itemsize(profile) -> int:
+    """Bytes per weight the HTP holds: fp16 mode stores float weights as fp16 in the context
+    binary (measured: 165.7 MB for 317 MB of fp32 weights, research/htp-real-size.md)."""
+    return 2 if profile.npu.precision == "fp16" else 1
+
+
 def layer_weight_bytes(cfg: ModelConfig, itemsize: int = 4) -> tuple[int, list[int], int]:
     """(embedding bytes, bytes per layer, head bytes) as stored for the NPU graphs."""
     shapes = expected_shapes(cfg)
@@ -28,7 +34,7 @@ def layer_weight_bytes(cfg: ModelConfig, itemsize: int = 4) -> tuple[int, list[i
     return embed, per_layer, head + (embed if cfg.tie_word_embeddings else 0)
 
 
-def plan_parts(cfg: ModelConfig, budget: int, itemsize: int = 4) -> list[tuple[int, int]]:
+def plan_parts(cfg: ModelConfig, budget: int, itemsize: int) -> list[tuple[int, int]]:
     """Greedy contiguous [start, end) layer ranges whose weights fit `budget`; the embedding counts
     with layer 0, the head with the last part, or alone as the range (L, L) when it does not fit."""
     embed, per_layer, head = layer_weight_bytes(cfg, itemsize)

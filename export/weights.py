@@ -73,5 +73,8 @@ class WeightPlan:
                     progress(name)
         return placements
 
+    def total_params(self) -> int:
+        return sum(int(np.prod(w.shape)) for w in self.entries.values())
+
     def total_bytes(self) -> int:
         return sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in self.entries.values())

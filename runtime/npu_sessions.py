@@ -19,7 +19,8 @@ def npu_part_files(path: Path, manifest: dict, profile) -> list[str]:
     entry = manifest.get("npu", {}).get(profile.name)
     if entry:
         return [p["file"] for p in entry["parts"]]
-    if manifest["weights"]["bytes"] <= profile.part_weight_bytes:
+    htp_bytes = manifest["weights"]["params"] * (2 if profile.npu.precision == "fp16" else 1)
+    if htp_bytes <= profile.part_weight_bytes:  # the whole prefill graph is one part
         return [manifest["graphs"]["prefill"]["file"]]
     raise NpuUnavailable(f"this export has no NPU graphs for profile {profile.name} (its weights exceed one part); "
                          f"re-export with: export-hybrid SOURCE {path} --profile {profile.name}")

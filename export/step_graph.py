@@ -174,8 +174,7 @@ class _Builder:
         g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
         past_k = g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd])
         past_v = g.input(f"past_value.{i}", np.float32, [nkv, PAST, hd])
-        keys, values = g.op("Concat", past_k, new_k, axis=1), g.op("Concat", past_v, new_v, axis=1)
-        attn = emit_gqa_attention(g, q, keys, values, self.attn_mask, n=n, nh=nh, nkv=nkv, hd=hd)
+        attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, self.attn_mask, n=n, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", g.reshape(attn, [n, nh * hd]), g.op("Sigmoid", g.reshape(gate, [n, nh * hd])))
         return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
 

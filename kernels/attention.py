@@ -29,13 +29,21 @@ def gqa_attention_ref(q, keys, values, mask):
     return np.einsum("hnt,htd->nhd", p, v)
 
 
-def emit_gqa_attention(g: GraphBuilder, q: str, keys: str, values: str, mask: str, *,
-                       n: int, nh: int, nkv: int, hd: int) -> str:
-    """Returns [N, nH, hd]. keys/values carry a dynamic or static T; only nKV and hd are fixed."""
+def emit_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_values: str, new_keys: str, new_values: str,
+                       mask: str, *, n: int, nh: int, nkv: int, hd: int) -> str:
+    """Returns [N, nH, hd]. Keys/values arrive as the past buffer [nKV, T, hd] (T dynamic on the
+    CPU, static on the NPU) and the N new rows; they are never concatenated, so no call copies
+    the whole past: scores against each are joined instead, and the probabilities split back at
+    the constant offset -N (a constant Slice, NPU-safe)."""
     group = nh // nkv
     qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, group * n, hd])  # heads of one KV group together
-    scores = g.matmul(g.op("Mul", qh, g.const(1.0 / math.sqrt(hd))), g.transpose(keys, [0, 2, 1]))
+    qh = g.op("Mul", qh, g.const(1.0 / math.sqrt(hd)))
+    scores = g.op("Concat", g.matmul(qh, g.transpose(past_keys, [0, 2, 1])),
+                  g.matmul(qh, g.transpose(new_keys, [0, 2, 1])), axis=-1)
     scores = g.op("Add", g.reshape(scores, [nkv, group, n, -1]), mask)
     probs = g.reshape(g.op("Softmax", scores, axis=-1), [nkv, group * n, -1])
-    out = g.reshape(g.matmul(probs, values), [nh, n, hd])
-    return g.transpose(out, [1, 0, 2])
+    big = np.iinfo(np.int64).max
+    p_past = g.op("Slice", probs, g.ints([0]), g.ints([-n]), g.ints([2]))
+    p_new = g.op("Slice", probs, g.ints([-n]), g.ints([big]), g.ints([2]))
+    out = g.op("Add", g.matmul(p_past, past_values), g.matmul(p_new, new_values))
+    return g.transpose(g.reshape(out, [nh, n, hd]), [1, 0, 2])

@@ -54,7 +54,9 @@ class State:
         """Grow every K/V buffer to hold `tokens` rows, in whole blocks."""
         if not self.attention or tokens <= self.capacity:
             return
-        new_cap = -(-tokens // KV_BLOCK) * KV_BLOCK
+        # grow by at least 1/8 so a long prefill copies the buffer O(log n) times, not n/block times;
+        # np.zeros pages the untouched tail in lazily, so the slack costs address space, not RAM
+        new_cap = -(-max(tokens, self.capacity + self.capacity // 8) // KV_BLOCK) * KV_BLOCK
         for layer in self.attention.values():
             for name in ("key", "value"):
                 old = getattr(layer, name)

@@ -268,9 +268,12 @@ def test_gqa_attention_numpy_vs_torch_vs_onnx():
     np.testing.assert_allclose(ref, want, atol=1e-5)
     g = GraphBuilder("attn")
     qi = g.input("q", np.float32, [n, nh, hd])
-    ki, vi = g.input("k", np.float32, [nkv, past + n, hd]), g.input("v", np.float32, [nkv, past + n, hd])
+    pk, pv = g.input("pk", np.float32, [nkv, past, hd]), g.input("pv", np.float32, [nkv, past, hd])
+    nk, nv = g.input("nk", np.float32, [nkv, n, hd]), g.input("nv", np.float32, [nkv, n, hd])
     mi = g.input("m", np.float32, [n, past + n])
-    g.output(attention.emit_gqa_attention(g, qi, ki, vi, mi, n=n, nh=nh, nkv=nkv, hd=hd), "o", np.float32, [n, nh, hd])
-    (o,) = run_graph(g, {"q": q, "k": keys, "v": values, "m": mask})
+    g.output(attention.emit_gqa_attention(g, qi, pk, pv, nk, nv, mi, n=n, nh=nh, nkv=nkv, hd=hd), "o", np.float32,
+             [n, nh, hd])
+    (o,) = run_graph(g, {"q": q, "pk": keys[:, :past], "pv": values[:, :past], "nk": keys[:, past:],
+                         "nv": values[:, past:], "m": mask})
     np.testing.assert_allclose(o, want, atol=1e-5)
     assert math.isfinite(float(o.sum()))

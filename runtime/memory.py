@@ -1,0 +1,46 @@
+"""The memory plan: fixed costs (weights, GDN state) plus K/V that grows per token, against a
+budget, giving the largest context that fits (design §7). A prompt beyond the plan is refused
+before any work, never swapped or crashed into.
+
+Per token the plan charges the K/V rows (full-attention layers only) and the prefill's
+attention scratch (scores and probabilities of one chunk against the whole context, fp32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from hybrid_npu.config import ModelConfig
+
+MARGIN_BYTES = 1 << 30  # left to the OS, the runtime's own code and activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    weights_bytes: int
+    state_bytes: int
+    kv_bytes_per_token: int
+    scratch_bytes_per_token: int
+    max_position: int
+
+    @property
+    def max_context(self) -> int:
+        free = self.budget_bytes - self.weights_bytes - self.state_bytes
+        per_token = self.kv_bytes_per_token + self.scratch_bytes_per_token
+        if free <= 0:
+            return 0
+        return min(free // per_token, self.max_position) if per_token else self.max_position
+
+
+def default_budget() -> int:
+    """psutil's available memory (page cache counts as reclaimable) minus a margin."""
+    return max(psutil.virtual_memory().available - MARGIN_BYTES, 0)
+
+
+def plan_memory(cfg: ModelConfig, weights_bytes: int, chunk: int, budget: int | None) -> MemoryPlan:
+    scratch = 2 * cfg.num_attention_heads * chunk * 4 if cfg.full_layers else 0
+    return MemoryPlan(budget_bytes=int(budget) if budget else default_budget(), weights_bytes=weights_bytes,
+                      state_bytes=cfg.state_bytes(), kv_bytes_per_token=cfg.kv_bytes_per_token(),
+                      scratch_bytes_per_token=scratch, max_position=cfg.max_position_embeddings)

@@ -1,0 +1,86 @@
+"""The memory plan, block-grown K/V, refusal beyond the plan, and conversations that append."""
+import numpy as np
+import psutil
+import pytest
+from conftest import CHUNK
+
+import fixtures
+import hybrid_npu
+from hybrid_npu.errors import UserError
+from hybrid_npu.export.exporter import export
+
+
+@pytest.fixture(scope="module")
+def kv_heavy(tmp_path_factory):
+    """K/V per token nearer a real model's (3 full-attention layers, 4 KV heads of 128: 12 KiB;
+    Qwen3.5-0.8B has 24 KiB), so K/V growth stands above allocator noise (the ~20 MB of heap that
+    the per-chunk attention scratch leaves behind)."""
+    root = tmp_path_factory.mktemp("kv_heavy")
+    fixtures.write_text_checkpoint(root / "hf", seed=3, num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+                                   layer_types=["linear_attention", "full_attention"] * 3)
+    export(root / "hf", root / "out", chunk=128)
+    return root / "out"
+
+
+def test_kv_bytes_per_token_is_the_analytic_value(text_tied):
+    engine = hybrid_npu.load(text_tied.out)
+    cfg = engine.config
+    report = engine.memory_report()
+    assert report["kv_bytes_per_token"] == len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert report["state_bytes"] == len(cfg.linear_layers) * 4 * (
+        cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1)
+        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
+    assert 0 < report["weights_bytes"] <= (text_tied.out / "graphs" / "weights.bin").stat().st_size
+    assert report["max_context"] == cfg.max_position_embeddings and report["context_tokens"] == 0
+
+
+def test_resident_memory_grows_by_the_kv_bytes_only(kv_heavy):
+    engine = hybrid_npu.load(kv_heavy)
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(0, 300, 16_384)]
+    proc = psutil.Process()
+    engine.prefill_logits(ids[:4096])
+    rss_4k = proc.memory_info().rss
+    engine.prefill(ids[4096:])
+    rss_16k = proc.memory_info().rss
+    analytic = (16_384 - 4096) * engine.memory_report()["kv_bytes_per_token"]
+    growth = rss_16k - rss_4k
+    print(f"\nRSS 4k -> 16k tokens: +{growth / 1e6:.1f} MB, analytic K/V {analytic / 1e6:.1f} MB "
+          f"({growth / analytic:.2f}x)")
+    assert growth <= 1.2 * analytic
+
+
+def test_a_context_beyond_the_plan_is_refused_before_any_work(text_tied):
+    engine = hybrid_npu.load(text_tied.out, memory=1)  # a budget nothing fits in
+    assert engine.memory_report()["max_context"] == 0
+    with pytest.raises(UserError, match="memory plan allows 0"):
+        engine.prefill_logits([1, 2, 3])
+    assert engine.state.position == 0
+    weights = engine.memory_report()["weights_bytes"]
+    kv = engine.memory_report()["kv_bytes_per_token"]
+    small = hybrid_npu.load(text_tied.out, memory=weights + engine.memory_report()["state_bytes"] + 50 * (kv + 2 * 4 * 8 * 4))
+    limit = small.memory_report()["max_context"]
+    assert 40 <= limit <= 50
+    small.prefill_logits(list(range(limit)))
+    with pytest.raises(UserError, match=f"needs {limit + 1} tokens of context"):
+        small.prefill([5])
+    assert small.state.position == limit
+
+
+def test_appending_a_turn_equals_one_fresh_pass(text_tied):
+    engine = hybrid_npu.load(text_tied.out)
+    first = [int(t) for t in np.random.default_rng(1).integers(0, 300, CHUNK + 2)]
+    second = [int(t) for t in np.random.default_rng(2).integers(0, 300, 5)]
+    reply = engine.generate(first, 6, stop_at_eos=False)
+    cont = engine.generate(second, 6, stop_at_eos=False, append=True)
+    assert engine.last_stats["prefill_tokens"] == len(second) + 1  # only the new part (+ the reply's last token)
+    fresh = hybrid_npu.load(text_tied.out).generate(first + reply + second, 6, stop_at_eos=False)
+    assert cont == fresh
+
+
+def test_progress_callback_reports_every_chunk(text_tied):
+    engine = hybrid_npu.load(text_tied.out)
+    seen = []
+    engine.generate(list(range(3 * CHUNK + 1)), 1, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(CHUNK, 3 * CHUNK + 1), (2 * CHUNK, 3 * CHUNK + 1), (3 * CHUNK, 3 * CHUNK + 1),
+                    (3 * CHUNK + 1, 3 * CHUNK + 1)]

@@ -68,3 +68,12 @@ def test_no_npu_falls_back_to_cpu_with_one_notice(text_tied, htp_profile, monkey
             hybrid_npu.load(text_tied.out, profile=htp_profile, prefill="npu")
     finally:
         qnn.qnn_devices.cache_clear()
+
+
+def test_handoff_npu_prefill_cpu_decode_gives_the_cpu_only_greedy_tokens(text_tied, npu_engine):
+    """The state moves from the HTP sessions to the CPU decode graph with no re-layout."""
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, 300, 3 * CHUNK + 5)]
+    cpu_tokens = hybrid_npu.load(text_tied.out).generate(ids, 32, stop_at_eos=False)
+    npu_tokens = npu_engine.generate(ids, 32, stop_at_eos=False)
+    assert npu_engine.last_stats["prefill_device"] == "QNN/HTP"
+    assert npu_tokens == cpu_tokens

@@ -70,7 +70,6 @@ class Engine:
                                                                providers=["CPUExecutionProvider"])], CPU_DEVICE)
                           for name, g in self.manifest["graphs"].items()}
         self.notice: str | None = None
-        self.kv_capacity = KV_BLOCK
         if self.profile.has_npu and prefill != "cpu":
             self._open_npu()
         self.tokenizer = self._load_tokenizer()
@@ -89,7 +88,6 @@ class Engine:
             self.notice = f"profile {self.profile.name}: {e}; running on the CPU"
             print(f"hybrid-npu: {self.notice}", file=sys.stderr)
             return
-        self.kv_capacity = self.profile.attention_capacity  # planned once: the NPU reads the K/V in place
 
     def _load_tokenizer(self):
         f = self.path / "tokenizer.json"
@@ -100,7 +98,7 @@ class Engine:
 
     # ---------------------------------------------------------------- steps
     def reset(self) -> None:
-        self.state = State.fresh(self.config, self.kv_capacity)
+        self.state = State.fresh(self.config, KV_BLOCK)
         self._pending: list[int] = []
 
     def _step(self, graph: str, ids: list[int]) -> np.ndarray:
@@ -134,8 +132,8 @@ class Engine:
 
     def _npu_fits(self, n_new: int) -> bool:
         """An NPU chunk needs the planned K/V capacity and room for C more rows in it."""
-        return ("npu_prefill" in self.pipelines and self.state.capacity == self.kv_capacity
-                and self.state.position + self.chunk <= self.kv_capacity)
+        return ("npu_prefill" in self.pipelines
+                and self.state.position + self.chunk <= self.profile.attention_capacity)
 
     def _wants_npu(self, n_tokens: int) -> bool:
         if "npu_prefill" not in self.pipelines:
@@ -152,11 +150,15 @@ class Engine:
         npu = self._wants_npu(len(ids))
         for start in range(0, len(ids), self.chunk):
             on_npu = npu and self._npu_fits(self.chunk)
+            if on_npu and self.state.capacity != self.profile.attention_capacity:
+                self.state.resize(self.profile.attention_capacity)  # the NPU graphs read exactly T_max rows
             devices.append(NPU_DEVICE if on_npu else CPU_DEVICE)
             logits = self._step("npu_prefill" if on_npu else "prefill", list(ids[start: start + self.chunk]))
             if progress:
                 progress(min(start + self.chunk, len(ids)), len(ids))
         self._prefill_devices = "+".join(dict.fromkeys(devices))
+        if self.state.capacity > self.state.position + 2 * KV_BLOCK:  # back from T_max: CPU decode reads
+            self.state.resize((self.state.position // KV_BLOCK + 1) * KV_BLOCK)  # every row it is given
         return logits
 
     def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
@@ -214,5 +216,5 @@ class Engine:
         """Resume a conversation saved by save_state; refuses another model's or a damaged file."""
         from .snapshot import load_state
 
-        self.state = load_state(path, self.config, manifest_hash(self.path), self.kv_capacity)
+        self.state = load_state(path, self.config, manifest_hash(self.path), KV_BLOCK)
         self._pending = []

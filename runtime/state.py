@@ -56,7 +56,11 @@ class State:
             return
         # grow by at least 1/8 so a long prefill copies the buffer O(log n) times, not n/block times;
         # np.zeros pages the untouched tail in lazily, so the slack costs address space, not RAM
-        new_cap = -(-max(tokens, self.capacity + self.capacity // 8) // KV_BLOCK) * KV_BLOCK
+        self.resize(-(-max(tokens, self.capacity + self.capacity // 8) // KV_BLOCK) * KV_BLOCK)
+
+    def resize(self, capacity: int) -> None:
+        """Re-allocate the K/V buffers to exactly `capacity` rows (at least the rows in use)."""
+        new_cap = max(capacity, self.position)
         for layer in self.attention.values():
             for name in ("key", "value"):
                 old = getattr(layer, name)

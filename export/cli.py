@@ -23,6 +23,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--chunk", type=int, help="prefill chunk: tokens per prefill call (default: the profile's, or 128)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"],
                    help="stored weight dtype (fp16 halves the files; compute stays fp32)")
+    p.add_argument("--drafter", help="an EAGLE-3 drafter checkpoint directory (official/SpecForge or speculators "
+                                     "layout) to export beside the model; speculation is then on by default")
+    p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
     p.add_argument("--force", action="store_true", help="replace an output directory that is not an export")
     p.add_argument("--check-npu", metavar="EXPORT", help="compile EXPORT's NPU graphs for --profile with CPU fallback "
                                                          "disabled and report placement per graph")
@@ -68,7 +71,8 @@ def main(argv=None) -> int:
         if not args.source or not args.output:
             raise UserError("give SOURCE and OUTPUT directories (or --check-npu EXPORT --profile P)")
         manifest = export(args.source, args.output, chunk=args.chunk, dtype=args.dtype, force=args.force,
-                          profile=args.profile, compile_context=not args.no_compile, progress=say)
+                          profile=args.profile, compile_context=not args.no_compile, verify=args.verify,
+                          drafter=args.drafter, progress=say)
     except UserError as e:
         print(f"export-hybrid: error: {e}", file=sys.stderr)
         return 2
@@ -79,6 +83,8 @@ def main(argv=None) -> int:
     print(f"exported {len(cfg['layer_types'])} layers ({cfg['layer_types'].count('linear_attention')} GDN) to "
           f"{args.output}: weights {manifest['weights']['bytes'] / 1e6:.1f} MB, state "
           f"{manifest['state']['state_bytes'] / 1024:.1f} KiB fixed + {manifest['state']['kv_bytes_per_token']} B/token KV")
+    if manifest.get("drafter"):
+        print(f"EAGLE-3 drafter exported to {args.output}/{manifest['drafter']['dir']}")
     for name, npu in manifest["npu"].items():
         ctx = "precompiled" if npu["context"] else "compiled on first load"
         print(f"NPU profile {name}: {len(npu['parts'])} part(s) {[p['layers'] for p in npu['parts']]}, context {ctx}")

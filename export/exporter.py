@@ -22,6 +22,7 @@ from hybrid_npu.profiles.loader import load_profile
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint
 from .context_binaries import compile_contexts
+from .drafter import export_drafter, read_drafter
 from .manifest import FORMAT, MANIFEST, is_export, value_infos
 from .parts import htp_itemsize, plan_parts
 from .step_graph import StepSpec, build_step_graph
@@ -30,10 +31,15 @@ from .weights import WeightPlan
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 WEIGHTS_FILE = "weights.bin"
 DEFAULT_CHUNK = 128
+DEFAULT_VERIFY = 32
+DRAFTER_DIR = "drafter"
 
 
-def graph_specs(chunk: int) -> dict[str, StepSpec]:
-    return {"prefill": StepSpec(n=chunk), "decode": StepSpec(n=1)}
+def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
+    """prefill (chain, C tokens), decode (1 token), verify (a token tree of `verify` nodes:
+    logits, commit tensors and taps for every node, for speculative decoding)."""
+    return {"prefill": StepSpec(n=chunk), "decode": StepSpec(n=1),
+            "verify": StepSpec(n=verify, tree=True, all_logits=True)}
 
 
 def state_layout(cfg: ModelConfig) -> list[dict]:
@@ -60,23 +66,33 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 
 def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bool = False, profile=None,
-           compile_context: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+           compile_context: bool = True, verify: int | None = None, drafter=None,
+           progress: Callable[[str], None] | None = None) -> dict:
     """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
     HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries."""
     src, out = Path(src), Path(out)
     prof = load_profile(profile) if profile is not None else None
     chunk = chunk if chunk is not None else (prof.prefill_chunk if prof else DEFAULT_CHUNK)
+    verify = verify if verify is not None else (prof.verify_tree_size if prof else DEFAULT_VERIFY)
+    if not 2 <= verify <= 512:
+        raise UserError(f"--verify must be between 2 and 512 tree nodes (got {verify})")
     if chunk < 2:
         raise UserError(f"--chunk must be at least 2 (got {chunk}); decode uses its own 1-token graph")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     say = progress or (lambda msg: None)
     ck = read_checkpoint(src)
+    dck = read_drafter(drafter, ck.config, lambda: ck.load("embed_tokens.weight")) if drafter is not None else None
     _prepare_out(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        manifest = _write_export(ck, tmp, chunk, dtype, say, prof, compile_context)
+        manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context)
+        if dck is not None:
+            say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
+                f"{list(dck.target_tap_layers)})")
+            manifest["drafter"] = {"dir": DRAFTER_DIR, **export_drafter(dck, tmp / DRAFTER_DIR, dtype)}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -86,13 +102,14 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     return manifest
 
 
-def _write_export(ck: Checkpoint, tmp: Path, chunk: int, dtype: str, say, prof, compile_context: bool) -> dict:
+def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str, say, prof,
+                  compile_context: bool) -> dict:
     cfg = ck.config
     plan = WeightPlan(ck.load, DTYPES[dtype])
     graphs_dir = tmp / "graphs"
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
-    specs = graph_specs(chunk)
+    specs = graph_specs(chunk, verify)
     parts = []
     if prof is not None and prof.has_npu:
         parts = plan_parts(cfg, prof.part_weight_bytes, htp_itemsize(prof))

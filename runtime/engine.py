@@ -25,6 +25,7 @@ from .npu_sessions import NPU_DEVICE, open_npu_prefill
 from .pipeline import Pipeline
 from .qnn import NpuUnavailable
 from .sampling import choose
+from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
@@ -41,7 +42,7 @@ CPU_DEVICE = "CPU"
 
 class Engine:
     def __init__(self, path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None,
-                 memory: int | None = None):
+                 memory: int | None = None, drafter=None):
         self.path = Path(path)
         manifest_file = self.path / MANIFEST
         if not manifest_file.exists():
@@ -75,8 +76,11 @@ class Engine:
         self.tokenizer = self._load_tokenizer()
         self.memory = plan_memory(self.config, self.manifest["weights"]["bytes"], self.chunk,
                                   memory or self.profile.memory_budget_bytes or None)
+        self.drafter = self._open_drafter(drafter, threads)  # reset(), observe(tokens, taps), propose(root, ...)
+        self.draft_shape = {"top_k": 4, "depth": 6, "total_tokens": self.manifest["graphs"]["verify"]["n"] - 1}
         self.reset()
         self.last_stats: dict = {}
+        self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
 
     def _open_npu(self) -> None:
         """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max."""
@@ -89,6 +93,22 @@ class Engine:
             print(f"hybrid-npu: {self.notice}", file=sys.stderr)
             return
 
+    def _open_drafter(self, drafter, threads):
+        """drafter: None (the export's own drafter/, if any), an exported drafter directory, or any
+        object with reset/observe/propose."""
+        if drafter is None:
+            own = self.path / "drafter"
+            drafter = own if (own / "drafter.json").exists() else None
+        if drafter is None or not isinstance(drafter, (str, Path)):
+            return drafter
+        from .eagle3 import Eagle3Drafter
+
+        d = Path(drafter)
+        if not (d / "drafter.json").exists():
+            raise UserError(f"{d} is not an exported drafter; add it to the model with: "
+                            f"export-hybrid SOURCE {self.path} --drafter {d}")
+        return Eagle3Drafter(d, threads)
+
     def _load_tokenizer(self):
         f = self.path / "tokenizer.json"
         if not f.exists():
@@ -100,6 +120,9 @@ class Engine:
     def reset(self) -> None:
         self.state = State.fresh(self.config, KV_BLOCK)
         self._pending: list[int] = []
+        self._tap_pending: np.ndarray | None = None
+        if getattr(self, "drafter", None) is not None:
+            self.drafter.reset()
 
     def _step(self, graph: str, ids: list[int]) -> np.ndarray:
         """Advance the state by `ids` through one call of `graph`; returns the last token's logits."""
@@ -108,7 +131,18 @@ class Engine:
         self.state.ensure_capacity(self.state.position + n)
         out = self.pipelines[graph].run(chain_feed(self.config, self.state, ids, n))
         commit_chain(self.state, out, ids)
+        if self.drafter is not None and graph != "decode":
+            self._feed_drafter(ids, np.concatenate([out[f"tap.{j}"][: len(ids)] for j in self.config.tap_layers], -1))
         return out["logits"][0]
+
+    def _feed_drafter(self, ids: list[int], taps: np.ndarray) -> None:
+        """EAGLE pairs the target's feature at position t with the token at t+1 (research/eagle3.md
+        §1.2): the last feature waits for the token that follows it."""
+        if self._tap_pending is not None:
+            self.drafter.observe([ids[0]], self._tap_pending[None])
+        if len(ids) > 1:
+            self.drafter.observe(list(ids[1:]), taps[:-1])
+        self._tap_pending = taps[-1]
 
     def _check_fits(self, n_new: int) -> None:
         need, limit = self.state.position + n_new, self.memory.max_context
@@ -170,11 +204,16 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
                  on_token: Callable[[int], None] | None = None, append: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> list[int]:
+                 progress: Callable[[int, int], None] | None = None, speculative: bool | None = None) -> list[int]:
         """Prefill the prompt, then decode up to max_new_tokens; returns the new ids.
 
         append=False starts a fresh context; append=True continues the conversation: only the new
-        part is prefilled (on the NPU when it reaches the profile's threshold)."""
+        part is prefilled (on the NPU when it reaches the profile's threshold). speculative (default:
+        on when a drafter is attached) drafts a token tree per round and verifies it in one pass;
+        the output is exactly the plain output (greedy) or has exactly its distribution (sampled)."""
+        speculative = self.drafter is not None if speculative is None else speculative
+        if speculative and self.drafter is None:
+            raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")
         rng = np.random.default_rng(seed)
         if not append:
             self.reset()
@@ -182,16 +221,25 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.prefill(ids, progress)
         t_prefill = time.perf_counter() - t0
-        new: list[int] = []
         t1 = time.perf_counter()
-        while len(new) < max_new_tokens:
-            token = choose(logits, temperature, top_k, top_p, rng)
-            new.append(token)
-            if on_token:
-                on_token(token)
-            if (stop_at_eos and token in self.config.eos_token_ids) or len(new) == max_new_tokens:
-                break
-            logits = self._step("decode", [token])
+        token = choose(logits, temperature, top_k, top_p, rng)
+        new, self.spec_stats = [token], {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
+        if self.drafter is not None and self._tap_pending is not None:
+            self.drafter.observe([token], self._tap_pending[None])
+            self._tap_pending = None
+        done = lambda: (stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= max_new_tokens  # noqa: E731
+        if on_token:
+            on_token(token)
+        while not done():
+            if speculative:
+                emitted = self._speculative_round(new[-1], max_new_tokens - len(new), stop_at_eos,
+                                                  temperature, top_k, top_p, rng)
+            else:
+                emitted = [choose(self._step("decode", [new[-1]]), temperature, top_k, top_p, rng)]
+            for t in emitted:
+                new.append(t)
+                if on_token:
+                    on_token(t)
         t_decode = time.perf_counter() - t1
         self._pending = new[-1:]
         self.last_stats = {
@@ -200,7 +248,41 @@ class Engine:
             "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": CPU_DEVICE,
             "ttft_s": t_prefill, "context_tokens": self.state.position + len(self._pending),
         }
+        if speculative:
+            r = self.spec_stats
+            self.last_stats.update(rounds=r["rounds"], draft_s=r["draft_s"], verify_s=r["verify_s"],
+                                   acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1))
         return new
+
+    def _speculative_round(self, root: int, room: int, stop_at_eos: bool, temperature: float, top_k: int,
+                           top_p: float, rng) -> list[int]:
+        """Draft a tree under `root`, verify it in one pass, commit the accepted path; returns the
+        tokens it emits (accepted drafts + the target's bonus token), at most `room`."""
+        n = self.manifest["graphs"]["verify"]["n"]
+        t0 = time.perf_counter()
+        draft_tokens, draft_parents = self.drafter.propose(root, **self.draft_shape)
+        tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
+        t1 = time.perf_counter()
+        self._check_fits(n)
+        out = self.pipelines["verify"].run(tree_feed(self.config, self.state, tree))
+        if temperature <= 0.0:
+            path, bonus = accept_greedy(out["logits"], tree, n_real)
+        else:
+            path, bonus = accept_sampled(out["logits"], tree, n_real, temperature, top_k, top_p, rng)
+        emitted = [tree.tokens[j] for j in path[1:]] + [bonus]
+        if stop_at_eos:  # nothing after an end-of-sequence token
+            cut = next((i for i, t in enumerate(emitted) if t in self.config.eos_token_ids), None)
+            emitted = emitted if cut is None else emitted[: cut + 1]
+        emitted = emitted[:room]
+        path = path[: len(emitted)]  # the root and the drafts before the last emitted token
+        commit_path(self.state, out, tree, path, self.config.linear_conv_kernel_dim)
+        taps = np.concatenate([out[f"tap.{j}"][np.array(path)] for j in self.config.tap_layers], axis=-1)
+        self.drafter.observe(emitted, taps)
+        self.spec_stats["rounds"] += 1
+        self.spec_stats["accepted"] += len(path) - 1
+        self.spec_stats["draft_s"] += t1 - t0
+        self.spec_stats["verify_s"] += time.perf_counter() - t1
+        return emitted
 
     # ---------------------------------------------------------------- snapshots
     def save_state(self, path) -> None:

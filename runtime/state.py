@@ -44,7 +44,9 @@ class State:
         shape = (cfg.num_key_value_heads, capacity, cfg.head_dim)
         attn = {i: AttentionLayerState(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
                 for i in cfg.full_layers}
-        return cls(gdn, attn)
+        state = cls(gdn, attn)
+        state.resize(capacity)  # into one arena
+        return state
 
     @property
     def capacity(self) -> int:
@@ -59,14 +61,20 @@ class State:
         self.resize(-(-max(tokens, self.capacity + self.capacity // 8) // KV_BLOCK) * KV_BLOCK)
 
     def resize(self, capacity: int) -> None:
-        """Re-allocate the K/V buffers to exactly `capacity` rows (at least the rows in use)."""
+        """Re-allocate the K/V buffers to exactly `capacity` rows (at least the rows in use).
+
+        All layers' K and V live in one arena, each a contiguous view: one large allocation is
+        always memory-mapped by the C allocator and returned whole when freed, where per-layer
+        buffers of a few MB land in the heap and stay resident after the context moves on."""
+        if not self.attention:
+            return
         new_cap = max(capacity, self.position)
-        for layer in self.attention.values():
-            for name in ("key", "value"):
-                old = getattr(layer, name)
-                grown = np.zeros((old.shape[0], new_cap, old.shape[2]), old.dtype)
-                grown[:, : self.position] = old[:, : self.position]
-                setattr(layer, name, grown)
+        first = next(iter(self.attention.values())).key
+        arena = np.zeros((len(self.attention), 2, first.shape[0], new_cap, first.shape[2]), first.dtype)
+        for slot, layer in enumerate(self.attention.values()):
+            arena[slot, 0, :, : self.position] = layer.key[:, : self.position]
+            arena[slot, 1, :, : self.position] = layer.value[:, : self.position]
+            layer.key, layer.value = arena[slot, 0], arena[slot, 1]
 
     def kv_bytes_in_use(self) -> int:
         return sum(2 * a.key.shape[0] * self.position * a.key.shape[2] * a.key.itemsize

@@ -5,14 +5,16 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None, memory: int | None = None):
+def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None, memory: int | None = None,
+         drafter=None):
     """Open an exported model directory; returns an Engine (`.generate`, `.prefill_logits`, `.tokenizer`).
 
     profile: a device profile name or TOML path ("cpu", "snapdragon-x-elite", ...).
     prefill: "npu" runs every prefill chunk on the NPU, "cpu" never, "auto" follows the profile.
     memory: the budget in bytes for weights + state + K/V (default: the profile's, else psutil's
     available memory minus 1 GiB); a context beyond it is refused up front.
+    drafter: a speculative drafter object (reset/observe/propose); generate() then speculates.
     """
     from hybrid_npu.runtime.engine import Engine
 
-    return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory)
+    return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter)

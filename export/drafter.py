@@ -1,0 +1,451 @@
+"""The EAGLE-3 drafter: read a checkpoint (both published layouts) and export it to ONNX for the CPU.
+
+Spec: research/eagle3.md §1.1-1.5, design §5. One decoder layer (Llama-style, plain x̂·w RMSNorm,
+full RoPE, GQA, SwiGLU) whose first attention input is concat(embedding, feature), 2h wide.
+
+Accepted layouts (eagle3.md §1.4):
+* official / SpecForge: `midlayer.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, optional
+  `embed_tokens.weight` (absent: the target's table is shared), `d2t`, `t2d`; config at the top
+  level, tap ids optional in `eagle_config.eagle_aux_hidden_state_layer_ids` meaning "output of
+  layer k" (SpecForge/SGLang), SpecForge `norm_output` = apply the final norm before lm_head.
+* vLLM speculators: `layers.0.*` (optional `self_attn.{q,k}_norm`), optional `input_norm.weight`
+  (`norm_before_fc`), config in `transformer_layer_config`, `draft_vocab_size`,
+  `norm_before_residual`, `eagle_aux_hidden_state_layer_ids` used as is ("entering layer k"),
+  `norm_output` = feed the post-norm hidden back (Eagle 3.1).
+Both canonicalise to the `midlayer.*` names, so they export to identical graphs.
+
+Tap convention (eagle3.md §1.3, the known off-by-one trap): recorded ONLY as "residual stream
+entering layers (a, b, ...)", the quantity our target graphs output as `tap.{j}`.
+
+Export (`export_drafter`): two graphs over one weights file, N (tokens) and past dynamic:
+  drafter_fc.onnx  taps [N, nT·H] (the target's taps, concatenated in target_cfg.tap_layers order)
+                   -> features [N, h]   (select the drafter's taps, optional norms, fc)
+  drafter.onnx     features [N, h], input_ids [N] (target ids), rope_cos/rope_sin [N, rd],
+                   attn_mask [N, past+N], past_key/past_value [nKV, past, hd], logit_rows [M]
+                   -> logits [M, Vd] (rows `logit_rows` only), hidden [N, h] (pre-final-norm x, the
+                      feature fed back), new_key/new_value [nKV, N, hd]
+Two graphs rather than one with a switch: the fc costs as much as q/k/v and runs only on target
+features; `logit_rows` keeps a long observe from paying Vd·h per token for logits nobody reads.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.errors import UserError
+from hybrid_npu.kernels.graph import GraphBuilder
+from hybrid_npu.kernels.rope import emit_partial_rope
+
+from .checkpoint import PICKLE_SUFFIXES
+from .manifest import value_infos
+from .safetensors_io import SafetensorsFile
+from .weights import WeightPlan
+
+EAGLE3, SPECULATORS = "eagle3", "speculators"
+FORMAT = "hybrid-npu-drafter/1"
+MANIFEST = "drafter.json"
+WEIGHTS_FILE = "drafter_weights.bin"
+VOCAB_FILE = "vocab.safetensors"  # draft_to_target int64 [Vd]: target id of each draft id
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+PAST, MASK_LEN, N, M = "past_len", "past_len_plus_n", "n", "m"
+L = "midlayer."  # canonical layer prefix
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int                 # h
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int                    # honoured when the config has it (eagle3.md §1.1)
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int
+    vocab_size: int                  # target V
+    draft_vocab_size: int            # Vd
+    target_hidden_size: int          # H
+    tap_layers: tuple[int, ...]      # residual stream ENTERING these target layers, fc input order
+    tap_source: str                  # where tap_layers came from and how they were converted
+    layout: str                      # eagle3 | speculators
+    norm_before_fc: bool = False     # one RMSNorm over the concatenated taps (speculators `input_norm`)
+    fc_norm: bool = False            # one RMSNorm per tap before fc (`fc_norm.{j}`)
+    norm_before_residual: bool = False  # residual = hidden_norm(f) instead of f
+    final_norm: bool = True          # logits = lm_head(norm(x)); SpecForge norm_output=false: lm_head(x)
+    feed_back_normed: bool = False   # speculators norm_output (Eagle 3.1): hidden out = norm(x)
+    qk_norm: bool = False
+    attention_bias: bool = False
+    fc_bias: bool = False
+    embedding: str = "drafter"       # drafter | target (shared, copied in at export)
+
+
+@dataclass
+class DrafterCheckpoint:
+    path: Path
+    config: DrafterConfig
+    raw_config: dict
+    target_tap_layers: tuple[int, ...]  # what the target graphs export, in their concat order
+    shapes: dict[str, tuple[int, ...]]
+    loaders: dict[str, Callable[[], np.ndarray]] = field(repr=False)
+    draft_to_target: np.ndarray = field(repr=False)  # int64 [Vd]: target_id = i + d2t[i]
+
+    def load(self, name: str) -> np.ndarray:
+        arr = np.asarray(self.loaders[name]())
+        if tuple(arr.shape) != tuple(self.shapes[name]):
+            raise UserError(f"drafter tensor {name}: data has shape {tuple(arr.shape)}, expected {self.shapes[name]}")
+        return arr
+
+
+# ---------------------------------------------------------------------------------------- loading
+def _weights(path: Path) -> dict[str, SafetensorsFile]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if any(f.suffix in PICKLE_SUFFIXES for f in path.iterdir()):
+            raise UserError(f"drafter {path} has only pickle weights (pytorch_model.bin); refusing to unpickle: "
+                            "convert it to model.safetensors first (safetensors.torch.save_file)")
+        raise UserError(f"drafter {path} has no model.safetensors")
+    names = {}
+    for f in files:
+        st = SafetensorsFile(f)
+        for name in st.names():
+            names[name.removeprefix("model.")] = (st, name)
+    return names
+
+
+def _layout(names) -> str:
+    has_mid = any(n.startswith("midlayer.") for n in names)
+    has_l0 = any(n.startswith("layers.0.") for n in names)
+    if has_mid == has_l0:
+        raise UserError("drafter weights have " + ("both midlayer.* and layers.0.*" if has_mid else
+                        "neither midlayer.* nor layers.0.*") + "; not an EAGLE-3 checkpoint")
+    if any(n.startswith("layers.") and not n.startswith("layers.0.") for n in names):
+        raise UserError("drafter has more than one decoder layer; only single-layer EAGLE-3 drafters are supported")
+    return EAGLE3 if has_mid else SPECULATORS
+
+
+def _rope(c: dict, hd: int) -> tuple[float, int]:
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UserError(f"drafter rope type {kind!r} is not supported yet (only default RoPE)")
+    theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+    factor = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
+    return theta, int(hd * factor)
+
+
+def _taps(raw: dict, layout: str, target_cfg: ModelConfig) -> tuple[tuple[int, ...], str]:
+    """Tap layers as 'residual stream entering layer j' (eagle3.md §1.3)."""
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layout == EAGLE3 and top is None and nested is not None:
+        taps = tuple(int(k) + 1 for k in nested)
+        return taps, (f"eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} "
+                      "(SpecForge/SGLang: output of layer k = entering k+1)")
+    ids = top if top is not None else nested
+    if ids is not None:
+        return tuple(int(k) for k in ids), (f"eagle_aux_hidden_state_layer_ids {list(ids)} "
+                                            "(vLLM: entering layer k, as is)")
+    return tuple(target_cfg.tap_layers), "default (2, L//2, L-3): the reference's entering-layer taps"
+
+
+def read_drafter(path, target_cfg: ModelConfig, target_embedding=None) -> DrafterCheckpoint:
+    """A local EAGLE-3 drafter directory (config.json + *.safetensors), checked against the target.
+    target_embedding: the target's [V, H] embedding (array or zero-argument callable), used when the
+    drafter has no `embed_tokens.weight` (official checkpoints omit it, eagle3.md §1.4)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"drafter path {path} is not a directory; pass an EAGLE-3 checkpoint directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise UserError(f"drafter {path} has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise UserError(f"{cfg_file}: invalid JSON ({e})") from None
+    files = _weights(path)
+    layout = _layout(files)
+    prefix = "midlayer." if layout == EAGLE3 else "layers.0."
+    canon = {(L + n[len(prefix):] if n.startswith(prefix) else n): src for n, src in files.items()}
+    c = raw.get("transformer_layer_config", raw) if layout == SPECULATORS else raw
+    try:
+        h, nh = int(c["hidden_size"]), int(c["num_attention_heads"])
+        nkv = int(c.get("num_key_value_heads") or nh)
+        hd = int(c.get("head_dim") or h // nh)
+        inter, vocab = int(c["intermediate_size"]), int(c["vocab_size"])
+    except KeyError as e:
+        raise UserError(f"{cfg_file}: missing key {e.args[0]!r}; is this an EAGLE-3 drafter config?") from None
+    if int(c.get("num_hidden_layers", 1)) != 1:
+        raise UserError(f"drafter has num_hidden_layers={c['num_hidden_layers']}; "
+                        "only single-layer drafters are supported")
+    if nh % nkv:
+        raise UserError(f"drafter num_attention_heads ({nh}) must be a multiple of num_key_value_heads ({nkv})")
+    theta, rd = _rope(c, hd)
+    H, V = target_cfg.hidden_size, target_cfg.vocab_size
+    if vocab != V:
+        raise UserError(f"drafter vocabulary is {vocab} tokens but the target's is {V}; "
+                        "this drafter belongs to another model")
+    vd = int(raw.get("draft_vocab_size") or c.get("draft_vocab_size") or vocab)
+    taps, tap_source = _taps(raw, layout, target_cfg)
+    missing = [t for t in taps if t not in target_cfg.tap_layers]
+    if missing:
+        raise UserError(f"drafter taps the residual stream entering layers {list(taps)} ({tap_source}) but the target "
+                        f"exports only {list(target_cfg.tap_layers)}; layer(s) {missing} are not available")
+    if "fc.weight" not in canon:
+        raise UserError("drafter has no fc.weight; EAGLE-3 drafters fuse the target taps with it")
+    fc_in = canon["fc.weight"][0].shape(canon["fc.weight"][1])[-1]
+    th = raw.get("target_hidden_size") or c.get("target_hidden_size")
+    if th and int(th) != H:
+        raise UserError(f"drafter expects target hidden size {int(th)} but the target's hidden size is {H}; "
+                        "this drafter belongs to another model")
+    if fc_in != len(taps) * H:
+        raise UserError(f"drafter fc takes {fc_in} features but the target gives {len(taps)} taps x hidden {H} = "
+                        f"{len(taps) * H}; this drafter belongs to another model")
+
+    if layout == SPECULATORS:
+        fbn, final = bool(raw.get("norm_output", False)), True
+        nbr = bool(raw.get("norm_before_residual", False))
+    else:
+        fbn, final = False, bool(raw.get("norm_output", True))
+        nbr = bool(raw.get("norm_before_residual", False))
+    nbf = bool(raw.get("norm_before_fc", "input_norm.weight" in canon))
+    cfg = DrafterConfig(
+        hidden_size=h, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, intermediate_size=inter,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rotary_dim=rd, vocab_size=vocab,
+        draft_vocab_size=vd, target_hidden_size=H, tap_layers=taps, tap_source=tap_source, layout=layout,
+        norm_before_fc=nbf, fc_norm=bool(raw.get("fc_norm", False)), norm_before_residual=nbr, final_norm=final,
+        feed_back_normed=fbn, qk_norm=L + "self_attn.q_norm.weight" in canon,
+        attention_bias=L + "self_attn.q_proj.bias" in canon, fc_bias="fc.bias" in canon,
+        embedding="drafter" if "embed_tokens.weight" in canon else "target")
+
+    shapes = {n: st.shape(k) for n, (st, k) in canon.items()}
+    loaders = {n: (lambda st=st, k=k: st.load(k)) for n, (st, k) in canon.items()}
+    if cfg.embedding == "target":
+        if target_embedding is None:
+            raise UserError("drafter has no embed_tokens.weight and no target embedding was given; "
+                            "export it together with its target checkpoint")
+        if h != H:
+            raise UserError(f"drafter has no embed_tokens.weight and its hidden size {h} differs from the "
+                            f"target's {H}; it cannot share the target's embedding")
+        shapes["embed_tokens.weight"] = (V, H)
+        loaders["embed_tokens.weight"] = target_embedding if callable(target_embedding) else (lambda: target_embedding)
+    if "lm_head.weight" not in shapes and raw.get("tie_word_embeddings") and vd == V:
+        shapes["lm_head.weight"] = shapes["embed_tokens.weight"]
+        loaders["lm_head.weight"] = loaders["embed_tokens.weight"]
+    _check_shapes(cfg, shapes)
+    d2t = _draft_to_target(cfg, shapes, loaders)
+    return DrafterCheckpoint(path=path, config=cfg, raw_config=raw, target_tap_layers=tuple(target_cfg.tap_layers),
+                             shapes=shapes, loaders=loaders, draft_to_target=d2t)
+
+
+def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    h, nh, nkv, hd, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                             cfg.intermediate_size)
+    k_in = len(cfg.tap_layers) * cfg.target_hidden_size
+    a, m = L + "self_attn.", L + "mlp."
+    s = {"embed_tokens.weight": (cfg.vocab_size, h), "fc.weight": (h, k_in), "norm.weight": (h,),
+         "lm_head.weight": (cfg.draft_vocab_size, h),
+         L + "input_layernorm.weight": (h,), L + "hidden_norm.weight": (h,),
+         L + "post_attention_layernorm.weight": (h,),
+         a + "q_proj.weight": (nh * hd, 2 * h), a + "k_proj.weight": (nkv * hd, 2 * h),
+         a + "v_proj.weight": (nkv * hd, 2 * h), a + "o_proj.weight": (h, nh * hd),
+         m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h), m + "down_proj.weight": (h, inter)}
+    if cfg.norm_before_fc:
+        s["input_norm.weight"] = (k_in,)
+    if cfg.fc_norm:
+        s.update({f"fc_norm.{j}.weight": (cfg.target_hidden_size,) for j in range(len(cfg.tap_layers))})
+    if cfg.fc_bias:
+        s["fc.bias"] = (h,)
+    if cfg.qk_norm:
+        s.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+    if cfg.attention_bias:
+        s.update({a + "q_proj.bias": (nh * hd,), a + "k_proj.bias": (nkv * hd,), a + "v_proj.bias": (nkv * hd,)})
+    return s
+
+
+def _check_shapes(cfg: DrafterConfig, shapes: dict) -> None:
+    for name, want in expected_shapes(cfg).items():
+        if name not in shapes:
+            raise UserError(f"drafter tensor {name} is missing ({cfg.layout} layout)")
+        if tuple(shapes[name]) != want:
+            raise UserError(f"drafter tensor {name} has shape {tuple(shapes[name])}, the config implies {want}")
+
+
+def _draft_to_target(cfg: DrafterConfig, shapes: dict, loaders: dict) -> np.ndarray:
+    """target_id = i + d2t[i] (eagle3.md §1.5); identity when the draft vocabulary is the target's."""
+    vd, v = cfg.draft_vocab_size, cfg.vocab_size
+    if "d2t" not in shapes:
+        if vd != v:
+            raise UserError(f"drafter vocabulary is {vd} tokens, the target's {v}, but it has no d2t mapping")
+        return np.arange(v, dtype=np.int64)
+    if tuple(shapes["d2t"]) != (vd,):
+        raise UserError(f"drafter d2t has shape {tuple(shapes['d2t'])}, expected ({vd},) (draft_vocab_size)")
+    ids = np.arange(vd, dtype=np.int64) + np.asarray(loaders["d2t"]()).astype(np.int64)
+    if ids.min() < 0 or ids.max() >= v:
+        raise UserError(f"drafter d2t maps into [{ids.min()}, {ids.max()}], outside the target vocabulary of {v}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------- graphs
+def emit_rmsnorm(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
+    """Llama RMSNorm x̂·w (plain weight, not Qwen3.5's (1+w)); same ops as kernels/norms."""
+    mean_sq = g.op("ReduceMean", g.op("Mul", x, x), g.ints([-1]), keepdims=1)
+    return g.op("Mul", g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_sq, g.const(eps))))), weight)
+
+
+def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def emit_dynamic_gqa(g: GraphBuilder, q: str, past_k: str, past_v: str, new_k: str, new_v: str, mask: str,
+                     *, nh: int, nkv: int, hd: int) -> str:
+    """kernels/attention.emit_gqa_attention with N dynamic (it slices at the constant -N): q [N, nH, hd],
+    past [nKV, P, hd], new [nKV, N, hd], mask [N, P+N] -> [N, nH·hd]. Past and new are never concatenated;
+    the probabilities split back at P = Shape(past_k)[1]."""
+    group = nh // nkv
+    qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, group, -1, hd])          # [nKV, g, N, hd]
+    qh = g.op("Mul", qh, g.const(1.0 / math.sqrt(hd)))
+    pk, nk = g.unsqueeze(past_k, [1]), g.unsqueeze(new_k, [1])              # [nKV, 1, T, hd]
+    scores = g.op("Concat", g.matmul(qh, g.transpose(pk, [0, 1, 3, 2])),
+                  g.matmul(qh, g.transpose(nk, [0, 1, 3, 2])), axis=-1)      # [nKV, g, N, P+N]
+    probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
+    p = g.op("Shape", past_k, start=1, end=2)
+    big = g.ints([np.iinfo(np.int64).max])
+    p_past = g.op("Slice", probs, g.ints([0]), p, g.ints([3]))
+    p_new = g.op("Slice", probs, p, big, g.ints([3]))
+    out = g.op("Add", g.matmul(p_past, g.unsqueeze(past_v, [1])), g.matmul(p_new, g.unsqueeze(new_v, [1])))
+    out = g.transpose(g.reshape(out, [nh, -1, hd]), [1, 0, 2])              # [N, nH, hd]
+    return g.reshape(out, [-1, nh * hd])
+
+
+class _Graphs:
+    def __init__(self, ck: DrafterCheckpoint, plan: WeightPlan):
+        self.ck, self.cfg, self.plan = ck, ck.config, plan
+
+    def w(self, g: GraphBuilder, stored: str) -> str:
+        e = self.plan.entries[stored]
+        g.weight(stored, e.shape, e.dtype)
+        return stored if e.dtype == np.float32 else g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+
+    def vec(self, g, name: str) -> str:
+        return self.w(g, self.plan.vector(name, self.ck.shapes[name][0]))
+
+    def norm(self, g, x: str, name: str) -> str:
+        return emit_rmsnorm(g, x, self.vec(g, name), self.cfg.rms_norm_eps)
+
+    def linear(self, g, x: str, name: str, sources: list[str], bias: list[str] | None = None) -> list[str]:
+        outs = [self.ck.shapes[s][0] for s in sources]
+        w = self.w(g, self.plan.linear_weight(name, sources, self.ck.shapes[sources[0]][1], outs))
+        if bias:
+            b = self.w(g, self.plan.add(name + ".bias", (sum(outs),),
+                                        lambda: np.concatenate([self.ck.load(s) for s in bias]).astype(np.float32)))
+            y = g.op("Gemm", x, w, b, transB=1)
+        else:
+            y = g.op("Gemm", x, w, transB=1)
+        return [y] if len(outs) == 1 else g.split(y, outs, axis=-1)
+
+    def fc(self) -> GraphBuilder:
+        """taps [N, nT·H] in the target's order -> features [N, h]."""
+        c, g = self.cfg, GraphBuilder("drafter_fc")
+        H, target = c.target_hidden_size, self.ck.target_tap_layers
+        x = g.input("taps", np.float32, [N, len(target) * H])
+        slots = [target.index(t) for t in c.tap_layers]
+        if tuple(c.tap_layers) != tuple(target):  # the drafter's taps, in its fc order
+            cols = np.concatenate([np.arange(s * H, (s + 1) * H) for s in slots])
+            x = g.op("Gather", x, g.ints(cols), axis=1)
+        if c.fc_norm:
+            parts = g.split(x, [H] * len(slots), axis=-1)
+            x = g.op("Concat", *[self.norm(g, p, f"fc_norm.{j}.weight") for j, p in enumerate(parts)], axis=-1)
+        if c.norm_before_fc:
+            x = self.norm(g, x, "input_norm.weight")
+        f = self.linear(g, x, "fc", ["fc.weight"], ["fc.bias"] if c.fc_bias else None)[0]
+        g.output(f, "features", np.float32, [N, c.hidden_size])
+        return g
+
+    def step(self) -> GraphBuilder:
+        """One drafter step over N positions (eagle3.md §1.2):
+            x   = concat(input_layernorm(embed(ids)), hidden_norm(f))        [N, 2h], embedding first
+            x   = attn(x) + (f | hidden_norm(f) if norm_before_residual)
+            x   = x + mlp(post_attention_layernorm(x))
+            out hidden = x (pre-final-norm; norm(x) for speculators norm_output), logits = lm_head(norm(x))"""
+        c, g = self.cfg, GraphBuilder("drafter")
+        h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        f = g.input("features", np.float32, [N, h])
+        ids = g.input("input_ids", np.int64, [N])
+        cos = g.unsqueeze(g.input("rope_cos", np.float32, [N, c.rotary_dim]), [1])
+        sin = g.unsqueeze(g.input("rope_sin", np.float32, [N, c.rotary_dim]), [1])
+        mask = g.input("attn_mask", np.float32, [N, MASK_LEN])
+        past_k = g.input("past_key", np.float32, [nkv, PAST, hd])
+        past_v = g.input("past_value", np.float32, [nkv, PAST, hd])
+        rows = g.input("logit_rows", np.int64, [M])
+        embed = self.w(g, self.plan.table("embed_tokens.weight", self.ck.shapes["embed_tokens.weight"]))
+        e = self.norm(g, g.op("Gather", embed, ids, axis=0), L + "input_layernorm.weight")
+        fn = self.norm(g, f, L + "hidden_norm.weight")
+        x = g.op("Concat", e, fn, axis=-1)
+        a = L + "self_attn."
+        bias = [a + p + "_proj.bias" for p in "qkv"] if c.attention_bias else None
+        q, k, v = self.linear(g, x, a + "qkv", [a + p + "_proj.weight" for p in "qkv"], bias)
+        q, k, v = g.reshape(q, [-1, nh, hd]), g.reshape(k, [-1, nkv, hd]), g.reshape(v, [-1, nkv, hd])
+        if c.qk_norm:
+            q, k = self.norm(g, q, a + "q_norm.weight"), self.norm(g, k, a + "k_norm.weight")
+        q = emit_partial_rope(g, q, cos, sin, hd, c.rotary_dim)
+        k = emit_partial_rope(g, k, cos, sin, hd, c.rotary_dim)
+        new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(v, [1, 0, 2])  # [nKV, N, hd]
+        attn = emit_dynamic_gqa(g, q, past_k, past_v, new_k, new_v, mask, nh=nh, nkv=nkv, hd=hd)
+        o = self.linear(g, attn, a + "o_proj", [a + "o_proj.weight"])[0]
+        x = g.op("Add", o, fn if c.norm_before_residual else f)
+        m = L + "mlp."
+        gate, up = self.linear(g, self.norm(g, x, L + "post_attention_layernorm.weight"), m + "gate_up",
+                               [m + "gate_proj.weight", m + "up_proj.weight"])
+        x = g.op("Add", x, self.linear(g, g.op("Mul", g.silu(gate), up), m + "down_proj", [m + "down_proj.weight"])[0])
+        xn = self.norm(g, x, "norm.weight")
+        head_in = g.op("Gather", xn if c.final_norm else x, rows, axis=0)
+        logits = self.linear(g, head_in, "lm_head", ["lm_head.weight"])[0]
+        g.output(logits, "logits", np.float32, [M, c.draft_vocab_size])
+        g.output(xn if c.feed_back_normed else x, "hidden", np.float32, [N, h])
+        g.output(new_k, "new_key", np.float32, [nkv, N, hd])
+        g.output(new_v, "new_value", np.float32, [nkv, N, hd])
+        return g
+
+
+def build_drafter_graphs(ck: DrafterCheckpoint, plan: WeightPlan) -> dict[str, GraphBuilder]:
+    b = _Graphs(ck, plan)
+    return {"drafter_fc": b.fc(), "drafter": b.step()}
+
+
+def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32") -> dict:
+    """Write drafter_fc.onnx, drafter.onnx, drafter_weights.bin, vocab.safetensors and drafter.json
+    into out_dir; returns the manifest (also written as drafter.json)."""
+    from safetensors.numpy import save_file
+
+    if dtype not in DTYPES:
+        raise UserError(f"drafter dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = WeightPlan(ck.load, DTYPES[dtype])
+    builders = build_drafter_graphs(ck, plan)
+    placements = plan.write(out / WEIGHTS_FILE)
+    graphs = {}
+    for name, gb in builders.items():
+        model = gb.model(placements)
+        onnx.save_model(model, out / f"{name}.onnx")
+        onnx.checker.check_model(str(out / f"{name}.onnx"))
+        graphs[name] = {"file": f"{name}.onnx", "nodes": len(model.graph.node),
+                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+    save_file({"draft_to_target": np.ascontiguousarray(ck.draft_to_target, dtype=np.int64)}, str(out / VOCAB_FILE))
+    c = ck.config
+    manifest = {
+        "format": FORMAT, "source": str(ck.path), "config": {**asdict(c), "tap_layers": list(c.tap_layers)},
+        "taps": {"convention": "residual stream entering target layers", "layers": list(c.tap_layers),
+                 "source": c.tap_source, "input_order": list(ck.target_tap_layers)},
+        "graphs": graphs, "weights": {"file": WEIGHTS_FILE, "bytes": plan.total_bytes(), "dtype": dtype},
+        "vocab": {"file": VOCAB_FILE, "tensor": "draft_to_target", "draft_vocab_size": c.draft_vocab_size,
+                  "target_vocab_size": c.vocab_size},
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest

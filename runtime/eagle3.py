@@ -1,0 +1,178 @@
+"""The EAGLE-3 drafter at run time (CPU, ONNX): stable K/V over the accepted context, EAGLE-2 trees.
+
+Spec: research/eagle3.md §1.2 (forward, alignment, stable K/V) and §1.6 (dynamic tree); design §5.
+
+Alignment: the drafter pairs the target's fused taps of position t with the token at t+1 and
+predicts t+2. `observe(tokens, features)` takes such pairs (features[i] = taps of the position
+before tokens[i]) and appends them to the stable K/V; the last observed token is the root of the
+next `propose`. The tree's K/V rows are written past the stable rows and simply forgotten:
+rolling the drafter back costs nothing.
+
+K/V buffer [nKV, capacity, hd] grows by at least 1/8 at a time; every call reads the whole buffer
+in place, rows that are not visible to a query are masked (as the target's graphs do).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from hybrid_npu.errors import UserError
+from hybrid_npu.export.drafter import FORMAT, MANIFEST
+from hybrid_npu.kernels.attention import MASKED
+from hybrid_npu.kernels.rope import rope_tables
+
+OBSERVE_CHUNK = 64  # positions per observe call: bounds the [N, capacity + N] score scratch
+MIN_CAPACITY = 64
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def top_k_stable(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest along the last axis; ties go to the lower index (deterministic)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+
+
+class Eagle3Drafter:
+    def __init__(self, drafter_dir, threads: int | None = None):
+        self.path = Path(drafter_dir)
+        mf = self.path / MANIFEST
+        if not mf.exists():
+            raise UserError(f"{self.path} is not an exported drafter (no {MANIFEST}); export it with export_drafter")
+        self.manifest = json.loads(mf.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise UserError(f"{mf}: format {self.manifest.get('format')!r}, expected {FORMAT!r}; re-export the drafter")
+        c = self.manifest["config"]
+        self.nkv, self.hd, self.h = c["num_key_value_heads"], c["head_dim"], c["hidden_size"]
+        self.rotary_dim, self.rope_theta = c["rotary_dim"], c["rope_theta"]
+        self.input_order = tuple(self.manifest["taps"]["input_order"])  # target tap layers, concat order
+        self.tap_width = len(self.input_order) * c["target_hidden_size"]
+        from safetensors.numpy import load_file
+        self.draft_to_target = load_file(str(self.path / self.manifest["vocab"]["file"]))["draft_to_target"]
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        self.fc = ort.InferenceSession(str(self.path / "drafter_fc.onnx"), opts, providers=["CPUExecutionProvider"])
+        self.step = ort.InferenceSession(str(self.path / "drafter.onnx"), opts, providers=["CPUExecutionProvider"])
+        self.reset()
+
+    # ---------------------------------------------------------------- state
+    def reset(self) -> None:
+        self.key = np.zeros((self.nkv, MIN_CAPACITY, self.hd), np.float32)
+        self.value = np.zeros_like(self.key)
+        self.length = 0            # stable rows = drafter positions observed
+        self._hidden = None        # [h] feature out of the last observed step
+        self._logits = None        # [Vd] its draft logits (level 1 of the next tree)
+        self._last_token = None
+
+    def _ensure(self, need: int) -> None:
+        cap = self.key.shape[1]
+        if need <= cap:
+            return
+        cap = max(need, cap + cap // 8)
+        for name in ("key", "value"):
+            buf = np.zeros((self.nkv, cap, self.hd), np.float32)
+            buf[:, : self.length] = getattr(self, name)[:, : self.length]
+            setattr(self, name, buf)
+
+    def fuse_taps(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The target graph's `tap.{j}` outputs -> features [N, nT·H] in the order observe expects."""
+        return np.concatenate([outputs[f"tap.{j}"] for j in self.input_order], axis=-1)
+
+    def _run(self, features, ids, position, visible: np.ndarray, new_visible: np.ndarray,
+             logit_rows) -> dict[str, np.ndarray]:
+        """One drafter step over n queries at drafter positions `position` (scalar or [n]); visible
+        [n, capacity] bool: the buffer rows each query sees; new_visible [n, n]: the new rows."""
+        n, cap = len(ids), self.key.shape[1]
+        mask = np.full((n, cap + n), MASKED, np.float32)
+        mask[:, :cap][visible] = 0.0
+        mask[:, cap:][new_visible] = 0.0
+        pos = np.broadcast_to(np.asarray(position, np.int64), (n,))
+        cos, sin = rope_tables(pos, self.rotary_dim, self.rope_theta)
+        return dict(zip(("logits", "hidden", "new_key", "new_value"), self.step.run(None, {
+            "features": np.ascontiguousarray(features, np.float32), "input_ids": np.asarray(ids, np.int64),
+            "rope_cos": cos, "rope_sin": sin, "attn_mask": mask, "past_key": self.key, "past_value": self.value,
+            "logit_rows": np.asarray(logit_rows, np.int64)})))
+
+    # ---------------------------------------------------------------- extend
+    def observe(self, tokens: list[int], features: np.ndarray) -> None:
+        """Append pairs (taps of position t, token t+1) to the stable K/V; features [n, nT·H] are the
+        target's taps concatenated in `input_order` (fuse_taps)."""
+        features = np.asarray(features, np.float32)
+        if len(tokens) == 0:
+            return
+        if features.shape != (len(tokens), self.tap_width):
+            raise ValueError(f"observe: features {features.shape}, expected ({len(tokens)}, {self.tap_width})")
+        f = self.fc.run(None, {"taps": features})[0]
+        for s in range(0, len(tokens), OBSERVE_CHUNK):
+            ids, n = tokens[s: s + OBSERVE_CHUNK], len(tokens[s: s + OBSERVE_CHUNK])
+            self._ensure(self.length + n)
+            cap = self.key.shape[1]
+            visible = np.zeros((n, cap), bool)
+            visible[:, : self.length] = True
+            causal = np.tril(np.ones((n, n), bool))
+            out = self._run(f[s: s + n], ids, self.length + np.arange(n), visible, causal, [n - 1])
+            self.key[:, self.length: self.length + n] = out["new_key"]
+            self.value[:, self.length: self.length + n] = out["new_value"]
+            self.length += n
+            self._hidden, self._logits = out["hidden"][-1], out["logits"][0]
+        self._last_token = int(tokens[-1])
+
+    # ---------------------------------------------------------------- tree
+    def propose(self, root_token: int, top_k: int, depth: int, total_tokens: int) -> tuple[list[int], list[int]]:
+        """EAGLE-2 dynamic tree under `root_token` (the last observed token), eagle3.md §1.6.
+
+        Level 1 = top_k of the root's draft distribution; each of depth-1 drafter calls expands the
+        top_k frontier (beam by cumulative log-prob) into top_k children each; the tree is the best
+        `total_tokens` of all candidates by cumulative log-prob. Returns (target token ids, parent
+        indices into the same list, -1 = the root), parents before children; depth counts levels
+        (the reference's depth + 1). The stable K/V is untouched."""
+        if self._logits is None:
+            raise ValueError("propose before observe: the drafter has no context")
+        if int(root_token) != self._last_token:
+            raise ValueError(f"propose: root {root_token} is not the last observed token {self._last_token}")
+        if depth < 1 or total_tokens < 1 or top_k < 1:
+            return [], []
+        k = min(top_k, len(self.draft_to_target))
+        logp = log_softmax(self._logits)
+        first = top_k_stable(logp, k)
+        frontier = np.arange(k)                              # global candidate ids being expanded
+        f_hidden = np.repeat(self._hidden[None], k, axis=0)  # each frontier node's parent feature
+        base = self.length
+        self._ensure(base + (depth - 1) * k)
+        cap = self.key.shape[1]
+        ancestors = {-1: np.zeros(cap, bool)}
+        ancestors[-1][:base] = True
+        all_parents, all_tokens, all_scores = np.full(k, -1), first, logp[first]
+        for level in range(depth - 1):
+            n, start = len(frontier), base + level * k
+            visible = np.stack([ancestors[all_parents[g]] for g in frontier])
+            out = self._run(f_hidden, self.draft_to_target[all_tokens[frontier]], base + level, visible,
+                            np.eye(n, dtype=bool), np.arange(n))
+            self.key[:, start: start + n] = out["new_key"]
+            self.value[:, start: start + n] = out["new_value"]
+            for r, g in enumerate(frontier):
+                ancestors[g] = ancestors[all_parents[g]].copy()
+                ancestors[g][start + r] = True
+            lp = log_softmax(out["logits"])                  # [n, Vd]
+            child = top_k_stable(lp, k)                      # [n, k]
+            cu = all_scores[frontier][:, None] + np.take_along_axis(lp, child, -1)
+            offset = len(all_tokens)
+            all_tokens = np.concatenate([all_tokens, child.reshape(-1)])
+            all_scores = np.concatenate([all_scores, cu.reshape(-1)])
+            all_parents = np.concatenate([all_parents, np.repeat(frontier, k)])
+            best = top_k_stable(cu.reshape(-1), k)
+            frontier, f_hidden = offset + best, out["hidden"][best // k]
+        # stable order by score: a parent (score >= child's, lower id) always comes before its child,
+        # so every prefix is closed under parents
+        chosen = np.sort(top_k_stable(all_scores, min(total_tokens, len(all_scores))))
+        where = {int(g): i for i, g in enumerate(chosen)}
+        out_parents = [-1 if all_parents[g] < 0 else where[int(all_parents[g])] for g in chosen]
+        return [int(t) for t in self.draft_to_target[all_tokens[chosen]]], out_parents

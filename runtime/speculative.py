@@ -1,0 +1,145 @@
+"""One speculative round on a hybrid target (design §5): verify a whole draft tree in one pass,
+accept a path, and commit the state along it from small per-node tensors, with no re-run.
+
+The verify graph returns for every node its logits, the GDN commit tensors (k̂, u, G per layer
+and head), its pre-conv input and its new K/V rows. Committing path m:
+    S = e^{G_m}·S + Σ_{j ∈ path} e^{G_m - G_j} k̂_j u_jᵀ        (kernels/delta_rule.py)
+    conv state = the last K-1 pre-conv inputs along [old state ; path]
+    K/V rows of the path's nodes, written at consecutive positions (their rotary positions were
+    already P + depth, so they are right where they land).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.kernels.attention import MASKED
+from hybrid_npu.kernels.conv import tree_conv_select
+from hybrid_npu.kernels.rope import rope_tables
+
+from .sampling import filtered_probs
+from .state import State
+
+
+@dataclass
+class Tree:
+    """Node 0 is the root (the last sampled token, not yet in the state); node i > 0 has parent
+    parents[i] < i. Padding nodes (parent -1 beyond the real ones) are leaves nobody reads."""
+    tokens: list[int]
+    parents: list[int]
+
+    @classmethod
+    def from_draft(cls, root: int, draft_tokens: list[int], draft_parents: list[int], size: int) -> "Tree":
+        if len(draft_tokens) + 1 > size:
+            draft_tokens, draft_parents = draft_tokens[: size - 1], draft_parents[: size - 1]
+        parents = [-1] + [p + 1 for p in draft_parents]  # draft parent -1 = the root
+        for i, p in enumerate(parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"draft node {i - 1} has parent {p - 1}: parents must come first")
+        real = len(parents)
+        return cls([root] + list(draft_tokens) + [0] * (size - real), parents + [-1] * (size - real)), real
+
+    def paths(self) -> list[list[int]]:
+        out = []
+        for m in range(len(self.parents)):
+            p, path = m, []
+            while p >= 0:
+                path.append(p)
+                p = self.parents[p]
+            out.append(path[::-1])
+        return out
+
+    def children(self, n_real: int) -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {i: [] for i in range(n_real)}
+        for i in range(1, n_real):
+            kids[self.parents[i]].append(i)
+        return kids
+
+
+def tree_feed(cfg: ModelConfig, state: State, tree: Tree) -> dict[str, np.ndarray]:
+    n, pos = len(tree.tokens), state.position
+    paths = tree.paths()
+    M = np.zeros((n, n), np.float32)
+    for i, path in enumerate(paths):
+        M[i, path] = 1.0
+    depth = np.array([len(p) - 1 for p in paths])
+    feed = {"input_ids": np.array(tree.tokens, np.int64), "token_valid": np.ones(n, np.float32), "tree_mask": M,
+            "conv_tree_select": tree_conv_select(tree.parents, cfg.linear_conv_kernel_dim)}
+    if cfg.full_layers:
+        feed["rope_cos"], feed["rope_sin"] = rope_tables(pos + depth, cfg.rotary_dim, cfg.rope_theta)
+        cap = state.capacity
+        mask = np.full((n, cap + n), MASKED, np.float32)
+        mask[:, :pos] = 0.0
+        mask[:, cap:] = np.where(M > 0, 0.0, MASKED)
+        feed["attn_mask"] = mask
+    for i, layer in state.gdn.items():
+        feed[f"conv_state.{i}"], feed[f"recurrent_state.{i}"] = layer.conv, layer.recurrent
+    for i, layer in state.attention.items():
+        feed[f"past_key.{i}"], feed[f"past_value.{i}"] = layer.key, layer.value
+    return feed
+
+
+def accept_greedy(logits: np.ndarray, tree: Tree, n_real: int) -> tuple[list[int], int]:
+    """Longest path whose every token is the target's argmax after its parent; the target's own
+    next token after the path is the bonus."""
+    kids, node, path = tree.children(n_real), 0, [0]
+    while True:
+        want = int(np.argmax(logits[node]))
+        nxt = next((c for c in kids[node] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(logits: np.ndarray, tree: Tree, n_real: int, temperature: float, top_k: int, top_p: float,
+                   rng: np.random.Generator) -> tuple[list[int], int]:
+    """Multi-candidate rejection with deterministic drafts (research/eagle3.md §1.7).
+
+    Why lossless: at a node the target's distribution is p. A draft x treated as a point mass q is
+    accepted with probability min(1, p(x)/q(x)) = p(x); on rejection the exact residual is
+    (p - q)+ / (1 - p(x)) = p with x removed, renormalised. Trying the next distinct sibling
+    against that residual repeats the same step, so whichever token leaves the node (an accepted
+    child, or a sample from the final residual) is distributed exactly as p, and conditioning on
+    it, the walk continues from that child with the target's own next distribution.
+    """
+    kids, node, path = tree.children(n_real), 0, [0]
+    while True:
+        p = filtered_probs(logits[node], temperature, top_k, top_p)
+        accepted, tried = None, set()
+        for c in kids[node]:
+            x = tree.tokens[c]
+            if x in tried:
+                continue
+            tried.add(x)
+            if rng.random() < p[x]:
+                accepted = c
+                break
+            p[x] = 0.0
+            p /= p.sum()
+        if accepted is None:
+            return path, int(rng.choice(p.size, p=p))
+        path.append(accepted)
+        node = accepted
+
+
+def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list[int], k: int) -> None:
+    """Advance the state by the tokens of `path` (root first) from the verify outputs."""
+    m = path[-1]
+    idx = np.array(path)
+    for i, layer in state.gdn.items():
+        kh, u, G = out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"]
+        w = np.exp(G[m][None, :] - G[idx])  # [len, Hv]
+        layer.recurrent = (np.exp(G[m])[:, None, None] * layer.recurrent
+                           + np.einsum("jh,jhk,jhv->hkv", w, kh[idx], u[idx])).astype(np.float32)
+        window = np.concatenate([layer.conv, out[f"pre_conv.{i}"][idx].T], axis=1)
+        layer.conv = np.ascontiguousarray(window[:, -(k - 1):])
+    pos = state.position
+    state.ensure_capacity(pos + len(path))
+    for i, layer in state.attention.items():
+        layer.key[:, pos: pos + len(path)] = out[f"new_key.{i}"][:, idx]
+        layer.value[:, pos: pos + len(path)] = out[f"new_value.{i}"][:, idx]
+    state.position += len(path)
+    state.tokens.extend(int(tree.tokens[j]) for j in path)

@@ -1,0 +1,307 @@
+"""EAGLE-3 drafter: loading both layouts, ONNX vs a float64 torch reference, bad inputs, EAGLE-2 trees.
+
+Spec: research/eagle3.md §1.2 (forward), §1.3 (taps), §1.4 (layouts), §1.5 (d2t), §1.6 (tree).
+"""
+import numpy as np
+import pytest
+import torch
+
+import drafter_fixtures as dfx
+from hybrid_npu.errors import UserError
+from hybrid_npu.export.drafter import export_drafter, read_drafter
+from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+
+TARGET = dfx.target_config()
+TAPS = TARGET.tap_layers  # (2, 3, 3)
+
+
+# ------------------------------------------------------------------------ torch reference (float64)
+def _t(a):
+    return torch.as_tensor(np.asarray(a), dtype=torch.float64)
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta=10000.0):
+    """Llama rotate-half RoPE over the whole head_dim; x [T, heads, hd]."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.as_tensor(pos, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def ref_fc(w, taps, order=TAPS, drafter_taps=TAPS, input_norm=False):
+    """taps [T, 3H] in the target's order -> f [T, h]."""
+    x = _t(taps)
+    x = torch.cat([x[:, order.index(j) * dfx.H:(order.index(j) + 1) * dfx.H] for j in drafter_taps], -1)
+    if input_norm:
+        x = _rms(x, _t(w["input_norm.weight"]))
+    return x @ _t(w["fc.weight"]).T
+
+
+def ref_layer(w, f, ids, pos, allowed, nbr=False, qk_norm=False, normed_out=False, nh=4, nkv=2, hd=12):
+    """One drafter step, eagle3.md §1.2, full attention under `allowed` [T, T] -> logits [T, Vd], hidden [T, h]."""
+    p = "midlayer."
+    f = _t(f)
+    e = _t(w["embed_tokens.weight"])[torch.as_tensor(ids)]
+    fn = _rms(f, _t(w[p + "hidden_norm.weight"]))
+    x = torch.cat([_rms(e, _t(w[p + "input_layernorm.weight"])), fn], -1)  # embedding first
+    T = x.shape[0]
+    q = (x @ _t(w[p + "self_attn.q_proj.weight"]).T).view(T, nh, hd)
+    k = (x @ _t(w[p + "self_attn.k_proj.weight"]).T).view(T, nkv, hd)
+    v = (x @ _t(w[p + "self_attn.v_proj.weight"]).T).view(T, nkv, hd)
+    if qk_norm:
+        q, k = _rms(q, _t(w[p + "self_attn.q_norm.weight"])), _rms(k, _t(w[p + "self_attn.k_norm.weight"]))
+    q, k = _rope(q, pos), _rope(k, pos)
+    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+    s = s.masked_fill(~torch.as_tensor(allowed)[None], float("-inf")).softmax(-1)
+    o = torch.einsum("hqk,khd->qhd", s, v).reshape(T, nh * hd) @ _t(w[p + "self_attn.o_proj.weight"]).T
+    x = o + (fn if nbr else f)  # residual = un-normalised f (or hidden_norm(f): norm_before_residual)
+    h = _rms(x, _t(w[p + "post_attention_layernorm.weight"]))
+    x = x + (torch.nn.functional.silu(h @ _t(w[p + "mlp.gate_proj.weight"]).T) * (h @ _t(w[p + "mlp.up_proj.weight"]).T)
+             ) @ _t(w[p + "mlp.down_proj.weight"]).T
+    xn = _rms(x, _t(w["norm.weight"]))
+    return (xn @ _t(w["lm_head.weight"]).T).numpy(), (xn if normed_out else x).numpy()
+
+
+def d2t(w):
+    return np.arange(w["lm_head.weight"].shape[0]) + w["d2t"] if "d2t" in w else np.arange(dfx.V)
+
+
+def taps_and_tokens(n, seed=3):
+    """Target taps concatenated in TAPS order (a layer tapped twice gives the same tensor twice), tokens."""
+    rng = np.random.default_rng(seed)
+    per_layer = {j: rng.standard_normal((n, dfx.H)).astype(np.float32) for j in sorted(set(TAPS))}
+    return np.concatenate([per_layer[j] for j in TAPS], -1), [int(t) for t in rng.integers(0, 300, n)]
+
+
+def close(a, b, tol=1e-5):
+    assert np.isfinite(a).all()
+    err = np.abs(np.asarray(a, np.float64) - b).max()
+    assert err <= tol, err  # absolute
+
+
+# ------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Same weights, both layouts, exported."""
+    root = tmp_path_factory.mktemp("drafter")
+    w = dfx.drafter_weights(seed=0)
+    outs = {}
+    for name, write in (("eagle3", dfx.write_eagle3), ("speculators", dfx.write_speculators)):
+        ck = read_drafter(write(root / name, w), TARGET)
+        export_drafter(ck, root / f"{name}.out")
+        outs[name] = root / f"{name}.out"
+    return w, outs
+
+
+def _export(tmp_path, writer, w, **kw):
+    ck = read_drafter(writer(tmp_path / "src", w, **kw), TARGET)
+    export_drafter(ck, tmp_path / "out")
+    return ck, Eagle3Drafter(tmp_path / "out")
+
+
+# ------------------------------------------------------------------------ parity
+def _check_observe(drafter, w, chunks, fc=ref_fc, **ref_kw):
+    """Observe in chunks (K/V carried between calls) and compare each call's last row with a full pass."""
+    n = sum(chunks)
+    taps, toks = taps_and_tokens(n)
+    f = fc(w, taps)
+    lg, hid = ref_layer(w, f, toks, np.arange(n), np.tril(np.ones((n, n), bool)), **ref_kw)
+    s = 0
+    for c in chunks:
+        drafter.observe(toks[s: s + c], taps[s: s + c])
+        s += c
+        close(drafter._logits, lg[s - 1])
+        close(drafter._hidden, hid[s - 1])
+    return taps, toks, lg, hid
+
+
+def test_onnx_matches_torch_with_kv(plain):
+    w, outs = plain
+    dr = Eagle3Drafter(outs["eagle3"])
+    _check_observe(dr, w, [5, 1, 3, 1])
+    assert dr.length == 10
+    # every row of one multi-token step against the reference (past = the 10 stable rows)
+    taps, toks = taps_and_tokens(13)
+    dr.reset()
+    dr.observe(toks[:10], taps[:10])
+    f = dr.fc.run(None, {"taps": taps[10:]})[0]
+    vis = np.zeros((3, dr.key.shape[1]), bool)
+    vis[:, :10] = True
+    out = dr._run(f, toks[10:], 10 + np.arange(3), vis, np.tril(np.ones((3, 3), bool)), np.arange(3))
+    lg, hid = ref_layer(w, ref_fc(w, taps), toks, np.arange(13), np.tril(np.ones((13, 13), bool)))
+    close(out["logits"], lg[10:])
+    close(out["hidden"], hid[10:])
+
+
+def test_both_layouts_give_identical_graphs_and_outputs(plain):
+    w, outs = plain
+    for f in ("drafter.onnx", "drafter_fc.onnx", "drafter_weights.bin", "vocab.safetensors"):
+        assert (outs["eagle3"] / f).read_bytes() == (outs["speculators"] / f).read_bytes(), f
+    a, b = Eagle3Drafter(outs["eagle3"]), Eagle3Drafter(outs["speculators"])
+    taps, toks = taps_and_tokens(6)
+    a.observe(toks, taps)
+    b.observe(toks, taps)
+    assert np.array_equal(a._logits, b._logits) and np.array_equal(a._hidden, b._hidden)
+    assert a.propose(toks[-1], 3, 3, 10) == b.propose(toks[-1], 3, 3, 10)
+
+
+def test_speculators_options_match_torch(tmp_path):
+    """norm_before_fc (input_norm), norm_before_residual, Qwen3-style q/k norms, norm_output (feed back norm(x))."""
+    w = dfx.drafter_weights(seed=5, qk_norm=True, input_norm=True)
+    ck, dr = _export(tmp_path, dfx.write_speculators, w, norm_before_residual=True, norm_output=True)
+    c = ck.config
+    assert c.norm_before_fc and c.norm_before_residual and c.qk_norm and c.feed_back_normed
+    _check_observe(dr, w, [4, 2], fc=lambda w, t: ref_fc(w, t, input_norm=True), nbr=True, qk_norm=True,
+                   normed_out=True)
+
+
+def test_taps_reordered_and_converted(tmp_path):
+    """vLLM ids are used as is; SpecForge eagle_config ids are 'output of layer k' = entering k+1."""
+    w = dfx.drafter_weights(seed=2)
+    ck, dr = _export(tmp_path / "v", dfx.write_speculators, w, aux_ids=(3, 2, 3))
+    assert ck.config.tap_layers == (3, 2, 3) and "as is" in ck.config.tap_source
+    _check_observe(dr, w, [3, 2], fc=lambda w, t: ref_fc(w, t, drafter_taps=(3, 2, 3)))
+    ck = read_drafter(dfx.write_eagle3(tmp_path / "sf", w, eagle_config_ids=(1, 2, 2)), TARGET)
+    assert ck.config.tap_layers == (2, 3, 3) and "k+1" in ck.config.tap_source
+
+
+def test_shared_target_embedding(tmp_path):
+    """No embed_tokens.weight (official checkpoints): the target's table is copied in at export."""
+    emb = dfx.target_embedding(h=48)
+    w = dfx.drafter_weights(seed=4, embed=False, hidden_size=48)
+    with pytest.raises(UserError, match="embed_tokens"):
+        read_drafter(dfx.write_eagle3(tmp_path / "a", w, hidden_size=48), TARGET)
+    ck = read_drafter(tmp_path / "a", TARGET, target_embedding=lambda: emb)
+    assert ck.config.embedding == "target"
+    export_drafter(ck, tmp_path / "out")
+    _check_observe(Eagle3Drafter(tmp_path / "out"), {**w, "embed_tokens.weight": emb}, [3, 1],
+                   nh=4, nkv=2, hd=12)
+
+
+# ------------------------------------------------------------------------ bad input
+def _one_line(exc):
+    assert "\n" not in str(exc.value) and str(exc.value)
+
+
+def test_bad_drafters_refused(tmp_path):
+    w = dfx.drafter_weights(seed=1)
+    cases = {
+        "hidden": (dfx.write_eagle3, dfx.drafter_weights(seed=1, fc_in=3 * 40), {}, r"120 .*144"),
+        "target_hidden_size": (dfx.write_eagle3, w, {"target_hidden_size": 64}, "64.*48"),
+        "vocab": (dfx.write_eagle3, w, {"vocab_size": 300}, "300.*320"),
+        "tap": (dfx.write_speculators, w, {"aux_ids": (1, 3, 3)}, r"entering layers \[1, 3, 3\].*\[2, 3, 3\]"),
+        "specforge_tap": (dfx.write_eagle3, w, {"eagle_config_ids": (0, 2, 2)}, r"\[1\]"),
+    }
+    for name, (writer, weights, kw, pattern) in cases.items():
+        path = writer(tmp_path / name, weights, **kw)
+        with pytest.raises(UserError, match=pattern) as e:
+            read_drafter(path, TARGET)
+        _one_line(e)
+    with pytest.raises(UserError, match="pickle.*safetensors") as e:
+        read_drafter(dfx.write_pickle_only(tmp_path / "pickle", w), TARGET)
+    _one_line(e)
+
+
+# ------------------------------------------------------------------------ trees
+def _valid_tree(tokens, parents, w, top_k, depth, total):
+    assert len(tokens) == len(parents) <= total
+    image = set(d2t(w).tolist())
+    levels = []
+    for i, (t, p) in enumerate(zip(tokens, parents)):
+        assert t in image
+        assert -1 <= p < i  # parents before children
+        levels.append(1 if p < 0 else levels[p] + 1)
+    assert max(levels) <= depth
+    for p in set(parents):  # at most top_k children per node, distinct tokens
+        kids = [tokens[i] for i, q in enumerate(parents) if q == p]
+        assert len(kids) <= top_k and len(set(kids)) == len(kids)
+    return levels
+
+
+def test_propose_valid_deterministic_and_matches_reference(plain):
+    w, outs = plain
+    dr = Eagle3Drafter(outs["eagle3"])
+    taps, toks = taps_and_tokens(7)
+    dr.observe(toks, taps)
+    for top_k, depth, total in ((4, 4, 20), (3, 6, 12), (2, 1, 5), (5, 3, 60)):
+        tokens, parents = dr.propose(toks[-1], top_k=top_k, depth=depth, total_tokens=total)
+        levels = _valid_tree(tokens, parents, w, top_k, depth, total)
+        assert dr.length == 7  # stable K/V untouched
+        assert (tokens, parents) == dr.propose(toks[-1], top_k, depth, total)  # tree K/V discarded
+        # every expanded node's children are among its top_k under the reference along its path
+        f0 = ref_fc(w, taps).numpy()
+        lg, hid = ref_layer(w, f0, toks, np.arange(7), np.tril(np.ones((7, 7), bool)))
+        root_top = set(d2t(w)[np.argsort(-lg[-1])[:top_k]].tolist())
+        assert {t for t, p in zip(tokens, parents) if p < 0} <= root_top
+        for node in range(len(tokens)):
+            kids = [tokens[i] for i, p in enumerate(parents) if p == node]
+            if not kids:
+                continue
+            path = [node]
+            while parents[path[0]] >= 0:
+                path.insert(0, parents[path[0]])
+            # the path's own drafter steps, fed back (feature of parent step, token), at positions 7..
+            feats, ids, hidden = list(f0), list(toks), hid[-1]
+            for j in path:
+                feats.append(hidden)
+                ids.append(tokens[j])  # target ids index the embedding
+                n = len(ids)
+                l2, h2 = ref_layer(w, np.stack(feats), ids, np.arange(n), np.tril(np.ones((n, n), bool)))
+                hidden = h2[-1]
+            top = np.argsort(-l2[-1])
+            assert set(kids) <= set(d2t(w)[top[:top_k]].tolist()), (node, levels[node])
+
+
+def test_rollback_is_free(plain):
+    """observe, propose, observe more, propose == a drafter that never proposed in between."""
+    w, outs = plain
+    a, b = Eagle3Drafter(outs["eagle3"]), Eagle3Drafter(outs["eagle3"])
+    taps, toks = taps_and_tokens(9)
+    a.observe(toks[:5], taps[:5])
+    a.propose(toks[4], 4, 5, 30)
+    a.observe(toks[5:], taps[5:])
+    b.observe(toks, taps)
+    assert a.propose(toks[-1], 4, 5, 30) == b.propose(toks[-1], 4, 5, 30)
+    with pytest.raises(ValueError, match="last observed"):
+        a.propose(toks[-1] + 1, 4, 5, 30)
+
+
+def test_with_exported_target(text_tied, tmp_path):
+    """Real taps: the tiny target's prefill graph feeds the drafter (embedding shared from the target)."""
+    import json
+
+    import onnxruntime as ort
+    from hybrid_npu.config import ModelConfig
+    from hybrid_npu.export.checkpoint import read_checkpoint
+    from hybrid_npu.runtime.state import State
+    from hybrid_npu.runtime.step_inputs import chain_feed
+
+    manifest = json.loads((text_tied.out / "model.json").read_text())
+    cfg = ModelConfig.from_dict(manifest["config"])
+    target = read_checkpoint(text_tied.src)
+    w = dfx.drafter_weights(seed=6, embed=False, hidden_size=48)
+    ck = read_drafter(dfx.write_eagle3(tmp_path / "src", w, hidden_size=48), cfg,
+                      target_embedding=lambda: target.load("embed_tokens.weight"))
+    export_drafter(ck, tmp_path / "out")
+    dr = Eagle3Drafter(tmp_path / "out")
+    sess = ort.InferenceSession(str(text_tied.out / manifest["graphs"]["prefill"]["file"]),
+                                providers=["CPUExecutionProvider"])
+    n = manifest["graphs"]["prefill"]["n"]
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, 290, n)]
+    names = [o.name for o in sess.get_outputs()]
+    out = dict(zip(names, sess.run(None, chain_feed(cfg, State.fresh(cfg), ids, n))))
+    root = int(out["logits"][0].argmax())
+    taps = dr.fuse_taps(out)
+    dr.observe(ids[1:] + [root], taps)  # taps of position t pair with token t+1; the root closes the prompt
+    tokens, parents = dr.propose(root, top_k=4, depth=5, total_tokens=24)
+    _valid_tree(tokens, parents, w, 4, 5, 24)
+    emb = {**w, "embed_tokens.weight": target.load("embed_tokens.weight")}
+    lg, _ = ref_layer(emb, ref_fc(w, taps), ids[1:] + [root], np.arange(n), np.tril(np.ones((n, n), bool)))
+    close(dr._logits, lg[-1])

@@ -1,0 +1,180 @@
+"""Speculative decoding on the hybrid target is lossless: greedy output is token-identical to plain
+greedy decoding whatever the drafter proposes, the committed state equals plain decoding of the
+accepted tokens, and sampled output has exactly the plain sampling distribution."""
+import copy
+
+import numpy as np
+import pytest
+from conftest import CHUNK
+from scipy.stats import chisquare
+
+import fixtures
+import hybrid_npu
+from hybrid_npu.export.exporter import export
+from hybrid_npu.runtime.sampling import choose, filtered_probs
+from hybrid_npu.runtime.speculative import Tree, accept_sampled, tree_feed
+
+
+class RandomDrafter:
+    """Random trees: almost nothing is accepted."""  # noqa: D401
+
+    def __init__(self, vocab, seed=0, chain=False):
+        self.vocab, self.rng, self.chain = vocab, np.random.default_rng(seed), chain
+
+    def reset(self):
+        pass
+
+    def observe(self, tokens, taps):
+        assert len(tokens) == len(taps) and taps.ndim == 2
+
+    def grow(self, guess, top_k, depth, total_tokens):
+        """A spine of `depth` best guesses, each with top_k - 1 random siblings (none for a chain):
+        guess(path) gives the token the spine's next node should carry (None: random)."""
+        tokens, parents, parent, path = [], [], -1, []
+        for _ in range(depth):
+            spine = None
+            for c in range(1 if self.chain else top_k):
+                if len(tokens) >= total_tokens:
+                    return tokens, parents
+                t = guess(path) if c == 0 else None
+                tokens.append(int(self.rng.integers(0, self.vocab)) if t is None else t)
+                parents.append(parent)
+                spine = len(tokens) - 1 if c == 0 else spine
+            parent, path = spine, path + [tokens[spine]]
+        return tokens, parents
+
+    def propose(self, root, top_k, depth, total_tokens):
+        return self.grow(lambda path: None, top_k, depth, total_tokens)
+
+
+class OracleDrafter(RandomDrafter):
+    """Proposes the target's own greedy continuation on each first child (full-depth acceptance);
+    with wrong_rate > 0 it is only partly right."""
+
+    def __init__(self, vocab, engine, sequence, wrong_rate=0.0, seed=0, chain=False):
+        super().__init__(vocab, seed, chain)
+        self.engine, self.sequence, self.wrong_rate = engine, sequence, wrong_rate
+
+    def propose(self, root, top_k, depth, total_tokens):
+        pos = self.engine.state.position  # the root sits at this position
+        assert self.sequence[pos] == root
+
+        def guess(path):
+            if self.rng.random() < self.wrong_rate or path != self.sequence[pos + 1: pos + 1 + len(path)]:
+                return None
+            i = pos + 1 + len(path)
+            return self.sequence[i] if i < len(self.sequence) else None
+        return self.grow(guess, top_k, depth, total_tokens)
+
+
+PROMPT = [int(t) for t in np.random.default_rng(42).integers(0, 300, CHUNK + 5)]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(text_tied):
+    return hybrid_npu.load(text_tied.out).generate(PROMPT, 256, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle", "partial"])
+@pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
+def test_greedy_speculative_output_is_the_plain_output(text_tied, plain_greedy, kind, chain):
+    engine = hybrid_npu.load(text_tied.out)
+    sequence = PROMPT + plain_greedy
+    engine.drafter = {"random": RandomDrafter(320, chain=chain),
+                      "oracle": OracleDrafter(320, engine, sequence, chain=chain),
+                      "partial": OracleDrafter(320, engine, sequence, wrong_rate=0.3, chain=chain)}[kind]
+    out = engine.generate(PROMPT, 256, stop_at_eos=False)
+    assert out == plain_greedy
+    stats = engine.last_stats
+    assert stats["rounds"] > 0 and stats["decode_tokens"] == 256
+    if kind == "oracle":
+        assert stats["acceptance_length"] >= 6.5  # the whole depth-6 spine, + the bonus token
+    if kind == "random":
+        assert stats["acceptance_length"] < 1.5
+    print(f"\n{kind} {'chain' if chain else 'tree'}: acceptance length {stats['acceptance_length']:.2f}, "
+          f"rounds {stats['rounds']}")
+
+
+def test_committed_state_equals_plain_decoding_of_the_accepted_tokens(text_tied, plain_greedy):
+    spec = hybrid_npu.load(text_tied.out)
+    spec.drafter = OracleDrafter(320, spec, PROMPT + plain_greedy, wrong_rate=0.3, seed=3)
+    plain = hybrid_npu.load(text_tied.out)
+    spec.prefill_logits(PROMPT)
+    plain.prefill_logits(PROMPT)
+    root = plain_greedy[0]
+    for _ in range(6):  # several rounds, each compared
+        emitted = spec._speculative_round(root, 100, False, 0.0, 0, 1.0, None)
+        for t in [root] + emitted[:-1]:
+            plain._step("decode", [t])
+        root = emitted[-1]
+        assert spec.state.position == plain.state.position and spec.state.tokens == plain.state.tokens
+        for i in spec.state.gdn:
+            assert np.abs(spec.state.gdn[i].recurrent - plain.state.gdn[i].recurrent).max() <= 1e-5
+            assert np.abs(spec.state.gdn[i].conv - plain.state.gdn[i].conv).max() <= 1e-5
+        p = spec.state.position
+        for i in spec.state.attention:  # K/V rows come straight from the graphs: fp32 rounding of a
+            for name in ("key", "value"):  # 32-token vs a 1-token product, relative to their scale
+                a, b = getattr(spec.state.attention[i], name)[:, :p], getattr(plain.state.attention[i], name)[:, :p]
+                assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())
+
+
+# ---------------------------------------------------------------- sampling is distribution-exact
+
+V = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_vocab")
+    fixtures.write_text_checkpoint(root / "hf", seed=5, vocab_size=V, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    export(root / "hf", root / "out", chunk=CHUNK, verify=6)
+    return root / "out"
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.9)])
+def test_sampled_speculative_tokens_have_the_plain_distribution(tiny_vocab, temperature, top_p):
+    """First two generated tokens over 20,000 seeded runs against the exact plain joint distribution.
+
+    The drafter's tree for each first token is drawn once (a drafter may be deterministic), so the
+    verify pass runs once per first token and the 20,000 runs exercise the acceptance rule."""
+    engine = hybrid_npu.load(tiny_vocab)
+    prompt = [3, 7, 2, 9, 4]
+    logits0 = engine.prefill_logits(prompt)
+    base = copy.deepcopy(engine.state)
+    p1 = filtered_probs(logits0, temperature, 0, top_p)
+    drafter = RandomDrafter(V, seed=11)
+    n = engine.manifest["graphs"]["verify"]["n"]
+    joint, verified = np.zeros((V, V)), {}
+    for y in range(V):
+        engine.state = copy.deepcopy(base)
+        p2 = filtered_probs(engine._step("decode", [y]), temperature, 0, top_p)
+        joint[y] = p1[y] * p2
+        # root's children: the target's likeliest token, a random one, its second likeliest (so rejection
+        # chains through siblings), and a random grandchild under each
+        likely = [int(t) for t in np.argsort(-p2)[:2]]
+        draft = [likely[0], int(drafter.rng.integers(0, V)), likely[1]] + [int(t) for t in drafter.rng.integers(0, V, 2)]
+        tree, n_real = Tree.from_draft(y, draft, [-1, -1, -1, 0, 2], n)
+        engine.state = copy.deepcopy(base)
+        verified[y] = (tree, n_real, engine.pipelines["verify"].run(tree_feed(engine.config, engine.state, tree))["logits"])
+    runs = 20_000
+    counts = np.zeros((V, V))
+    drafts_accepted = 0
+    for r in range(runs):
+        rng = np.random.default_rng(r)
+        y1 = choose(logits0, temperature, 0, top_p, rng)
+        tree, n_real, logits = verified[y1]
+        path, bonus = accept_sampled(logits, tree, n_real, temperature, 0, top_p, rng)
+        y2 = tree.tokens[path[1]] if len(path) > 1 else bonus
+        drafts_accepted += len(path) > 1
+        counts[y1, y2] += 1
+    assert drafts_accepted > runs // 10  # drafts really were accepted, not only bonus tokens sampled
+    expected = joint.ravel() * runs
+    assert counts.ravel()[expected == 0].sum() == 0  # never a token the plain sampler cannot produce
+    keep = expected >= 5
+    obs, exp = counts.ravel()[keep], expected[keep]
+    if expected[~keep].sum() > 0:
+        obs, exp = np.append(obs, counts.ravel()[~keep].sum()), np.append(exp, expected[~keep].sum())
+    stat, pvalue = chisquare(obs, exp * obs.sum() / exp.sum())
+    print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {len(obs)} bins, p = {pvalue:.3f}, "
+          f"a draft accepted in {drafts_accepted / runs:.0%} of runs")
+    assert pvalue > 0.001

@@ -95,10 +95,15 @@ class GraphBuilder:
         return self.op("Exp", self.op("Max", x, self.const(-60.0)))
 
     def softplus(self, x: str) -> str:
-        """softplus(x) = max(x, 0) + log(1 + e^-|x|): the HTP's own Softplus is off by ~9% near
-        x = -2 (research/htp-real-size.md) and feeds straight into the decay g; this form is exact
-        in fp32 and never exponentiates below -88."""
-        tail = self.op("Log", self.op("Add", self.const(1.0), self.safe_exp(self.op("Neg", self.op("Abs", x)))))
+        """softplus(x) = relu(x) + log(1 + t), t = e^-|x|: the HTP's own Softplus is off by ~9% near
+        x = -2 (research/htp-real-size.md) and feeds straight into the decay g. For t < 0.01 the
+        series t - t²/2 + t³/3 - t⁴/4 replaces log(1 + t), which fp32 cannot resolve there."""
+        t = self.safe_exp(self.op("Neg", self.op("Abs", x)))
+        series = self.op("Mul", t, self.op("Add", self.const(1.0), self.op("Mul", t, self.op(
+            "Add", self.const(-0.5), self.op("Mul", t, self.op("Add", self.const(1.0 / 3.0),
+                                                                 self.op("Mul", t, self.const(-0.25))))))))
+        exact = self.op("Log", self.op("Add", self.const(1.0), t))
+        tail = self.op("Where", self.op("Less", t, self.const(0.01)), series, exact)
         return self.op("Add", self.op("Relu", x), tail)
 
     def model(self, placements: dict[str, tuple[str, int, int]] | None = None) -> onnx.ModelProto:

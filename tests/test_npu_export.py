@@ -163,6 +163,8 @@ def test_check_npu_names_the_first_unsupported_node(tmp_path):
 REAL_GRAPHS = {  # one graph per distinct shape: all GDN layers share one, all attention layers another
     "gdn_layer": StepSpec(n=128, first_layer=1, end_layer=2),
     "attention_layer": StepSpec(n=128, first_layer=3, end_layer=4),
+    "gdn_layer_verify": StepSpec(n=64, first_layer=1, end_layer=2, tree=True, all_logits=True),
+    "attention_layer_verify": StepSpec(n=64, first_layer=3, end_layer=4, tree=True, all_logits=True),
     "embedding": StepSpec(n=128, first_layer=0, end_layer=0),
     "head": StepSpec(n=128, first_layer=24, end_layer=24),
 }
@@ -178,7 +180,7 @@ def test_real_qwen35_08b_graphs_place_entirely_on_the_htp(name, tmp_path):
     path = write_graph(cfg, REAL_GRAPHS[name], tmp_path, name)
     opts = {**prof.qnn_provider_options(), "htp_graph_finalization_optimization_mode": "1"}
     t = prof.attention_capacity
-    r = compile_on_npu(path, opts, {PAST_DIM: t, MASK_DIM: t + 128})
+    r = compile_on_npu(path, opts, {PAST_DIM: t, MASK_DIM: t + REAL_GRAPHS[name].n})
     print(f"\n{name}: {r['nodes']} nodes, {r['on_htp']} on HTP, compile {r.get('compile_s')} s")
     assert r["ok"], r
     assert r["on_htp"] == r["nodes"]

@@ -76,8 +76,12 @@ class Engine:
         self.tokenizer = self._load_tokenizer()
         self.memory = plan_memory(self.config, self.manifest["weights"]["bytes"], self.chunk,
                                   memory or self.profile.memory_budget_bytes or None)
-        self.drafter = self._open_drafter(drafter, threads)  # reset(), observe(tokens, taps), propose(root, ...)
-        self.draft_shape = {"top_k": 4, "depth": 6, "total_tokens": self.manifest["graphs"]["verify"]["n"] - 1}
+        verify = self.manifest["graphs"].get("verify")  # exports before speculation have none
+        self.drafter = self._open_drafter(drafter, threads) if verify else None  # reset/observe/propose
+        if drafter is not None and verify is None:
+            raise UserError(f"{self.path} has no tree-verify graph for speculative decoding; re-export it with: "
+                            f"export-hybrid SOURCE {self.path} --drafter DRAFTER")
+        self.draft_shape = {"top_k": 4, "depth": 6, "total_tokens": verify["n"] - 1} if verify else None
         self.reset()
         self.last_stats: dict = {}
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}

@@ -178,3 +178,18 @@ def test_sampled_speculative_tokens_have_the_plain_distribution(tiny_vocab, temp
     print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {len(obs)} bins, p = {pvalue:.3f}, "
           f"a draft accepted in {drafts_accepted / runs:.0%} of runs")
     assert pvalue > 0.001
+
+
+def test_an_export_without_a_verify_graph_still_loads_and_says_how_to_speculate(text_tied, tmp_path):
+    import json
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(text_tied.out, old)
+    m = json.loads((old / "model.json").read_text())
+    del m["graphs"]["verify"]  # as exported before speculative decoding existed
+    (old / "model.json").write_text(json.dumps(m))
+    engine = hybrid_npu.load(old)
+    assert engine.drafter is None and engine.generate(PROMPT, 4)
+    with pytest.raises(hybrid_npu.errors.UserError, match="no tree-verify graph.*--drafter"):
+        hybrid_npu.load(old, drafter=RandomDrafter(320))

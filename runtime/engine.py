@@ -1,7 +1,8 @@
-"""The engine: load an export, prefill in chunks, decode, sample.
+"""The engine: load an export, prefill in chunks (NPU or CPU), decode or speculate, sample.
 
 Prefill runs the N = C graph over whole chunks and a padded tail (padding never touches the
-state, the K/V or the output); decode runs the N = 1 graph. Both read and write one State.
+state, the K/V or the output), on the HTP when the profile says so; decode runs the N = 1 graph
+on the CPU; a speculative round runs the tree-verify graph. All read and write one State.
 """
 from __future__ import annotations
 
@@ -30,14 +31,13 @@ from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
 MANIFEST = "model.json"
+PREFILL_MODES = ("auto", "npu", "cpu")
+CPU_DEVICE = "CPU"
 
 
 def manifest_hash(path: Path) -> str:
     """Identifies the exported model a state belongs to."""
     return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
-
-PREFILL_MODES = ("auto", "npu", "cpu")
-CPU_DEVICE = "CPU"
 
 
 class Engine:
@@ -60,8 +60,8 @@ class Engine:
             opts.intra_op_num_threads = threads
         opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
         # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
-        # the model shares (held once in RAM, 0.4 s to load). Measured on Qwen3.5-0.8B fp32:
-        # decode 0.20 vs 0.26 s/token, prefill 71 vs 85 tokens/s, RSS 3.5 vs 4.5 GB per session.
+        # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
+        # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.
         # No arena: a long prefill's attention scratch (scores over the whole context) goes back to
         # the system after each call instead of staying reserved as the context grows.
         opts.enable_cpu_mem_arena = False
@@ -136,8 +136,12 @@ class Engine:
         out = self.pipelines[graph].run(chain_feed(self.config, self.state, ids, n))
         commit_chain(self.state, out, ids)
         if self.drafter is not None and graph != "decode":
-            self._feed_drafter(ids, np.concatenate([out[f"tap.{j}"][: len(ids)] for j in self.config.tap_layers], -1))
+            self._feed_drafter(ids, self._taps(out, np.arange(len(ids))))
         return out["logits"][0]
+
+    def _taps(self, out: dict[str, np.ndarray], rows) -> np.ndarray:
+        """The EAGLE-3 feature of the given token rows: taps low | mid | high, concatenated."""
+        return np.concatenate([out[f"tap.{j}"][rows] for j in self.config.tap_layers], axis=-1)
 
     def _feed_drafter(self, ids: list[int], taps: np.ndarray) -> None:
         """EAGLE pairs the target's feature at position t with the token at t+1 (research/eagle3.md
@@ -280,8 +284,7 @@ class Engine:
         emitted = emitted[:room]
         path = path[: len(emitted)]  # the root and the drafts before the last emitted token
         commit_path(self.state, out, tree, path, self.config.linear_conv_kernel_dim)
-        taps = np.concatenate([out[f"tap.{j}"][np.array(path)] for j in self.config.tap_layers], axis=-1)
-        self.drafter.observe(emitted, taps)
+        self.drafter.observe(emitted, self._taps(out, np.array(path)))
         self.spec_stats["rounds"] += 1
         self.spec_stats["accepted"] += len(path) - 1
         self.spec_stats["draft_s"] += t1 - t0

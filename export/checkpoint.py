@@ -227,19 +227,24 @@ def _split_qwen3_next(cfg: ModelConfig, shapes: dict, loaders: dict) -> None:
             loaders[a + name + ".weight"], shapes[a + name + ".weight"] = fn, (rows, H)
 
 
-def read_checkpoint(path) -> Checkpoint:
-    path = Path(path)
+def read_config_json(path: Path, what: str, kind: str) -> dict:
+    """config.json of a checkpoint directory, or a one-line error naming `what` (e.g. "model path")."""
     if not path.exists():
-        raise UserError(f"model path {path} does not exist")
+        raise UserError(f"{what} {path} does not exist")
     if not path.is_dir():
-        raise UserError(f"model path {path} is not a directory; pass a Hugging Face checkpoint directory")
+        raise UserError(f"{what} {path} is not a directory; pass {kind} directory")
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise UserError(f"{path} has no config.json; pass a Hugging Face checkpoint directory")
+        raise UserError(f"{path} has no config.json; pass {kind} directory")
     try:
-        raw = json.loads(cfg_file.read_text())
+        return json.loads(cfg_file.read_text())
     except ValueError as e:
         raise UserError(f"{cfg_file}: invalid JSON ({e})") from None
+
+
+def read_checkpoint(path) -> Checkpoint:
+    path = Path(path)
+    raw = read_config_json(path, "model path", "a Hugging Face checkpoint")
     cfg = parse_config(path, raw)
 
     shapes, loaders, mtp, dtypes = {}, {}, [], set()

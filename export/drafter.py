@@ -43,7 +43,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.rope import emit_partial_rope
 
-from .checkpoint import PICKLE_SUFFIXES
+from .checkpoint import PICKLE_SUFFIXES, read_config_json
 from .manifest import value_infos
 from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
@@ -159,15 +159,8 @@ def read_drafter(path, target_cfg: ModelConfig, target_embedding=None) -> Drafte
     target_embedding: the target's [V, H] embedding (array or zero-argument callable), used when the
     drafter has no `embed_tokens.weight` (official checkpoints omit it, eagle3.md §1.4)."""
     path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"drafter path {path} is not a directory; pass an EAGLE-3 checkpoint directory")
+    raw = read_config_json(path, "drafter path", "an EAGLE-3 checkpoint")
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise UserError(f"drafter {path} has no config.json")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise UserError(f"{cfg_file}: invalid JSON ({e})") from None
     files = _weights(path)
     layout = _layout(files)
     prefix = "midlayer." if layout == EAGLE3 else "layers.0."

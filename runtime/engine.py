@@ -172,7 +172,7 @@ class Engine:
         if bad:
             raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
 
-    def _npu_fits(self, n_new: int) -> bool:
+    def _npu_fits(self) -> bool:
         """An NPU chunk needs the planned K/V capacity and room for C more rows in it."""
         return ("npu_prefill" in self.pipelines
                 and self.state.position + self.chunk <= self.profile.attention_capacity)
@@ -191,7 +191,7 @@ class Engine:
         logits, devices = None, []
         npu = self._wants_npu(len(ids))
         for start in range(0, len(ids), self.chunk):
-            on_npu = npu and self._npu_fits(self.chunk)
+            on_npu = npu and self._npu_fits()
             if on_npu and self.state.capacity != self.profile.attention_capacity:
                 self.state.resize(self.profile.attention_capacity)  # the NPU graphs read exactly T_max rows
             devices.append(NPU_DEVICE if on_npu else CPU_DEVICE)

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.conv import tree_conv_select
-from hybrid_npu.kernels.rope import rope_tables
 
 from .sampling import filtered_probs
 from .state import State
+from .step_inputs import context_feed
 
 
 @dataclass
@@ -59,7 +58,7 @@ class Tree:
 
 
 def tree_feed(cfg: ModelConfig, state: State, tree: Tree) -> dict[str, np.ndarray]:
-    n, pos = len(tree.tokens), state.position
+    n = len(tree.tokens)
     paths = tree.paths()
     M = np.zeros((n, n), np.float32)
     for i, path in enumerate(paths):
@@ -67,17 +66,7 @@ def tree_feed(cfg: ModelConfig, state: State, tree: Tree) -> dict[str, np.ndarra
     depth = np.array([len(p) - 1 for p in paths])
     feed = {"input_ids": np.array(tree.tokens, np.int64), "token_valid": np.ones(n, np.float32), "tree_mask": M,
             "conv_tree_select": tree_conv_select(tree.parents, cfg.linear_conv_kernel_dim)}
-    if cfg.full_layers:
-        feed["rope_cos"], feed["rope_sin"] = rope_tables(pos + depth, cfg.rotary_dim, cfg.rope_theta)
-        cap = state.capacity
-        mask = np.full((n, cap + n), MASKED, np.float32)
-        mask[:, :pos] = 0.0
-        mask[:, cap:] = np.where(M > 0, 0.0, MASKED)
-        feed["attn_mask"] = mask
-    for i, layer in state.gdn.items():
-        feed[f"conv_state.{i}"], feed[f"recurrent_state.{i}"] = layer.conv, layer.recurrent
-    for i, layer in state.attention.items():
-        feed[f"past_key.{i}"], feed[f"past_value.{i}"] = layer.key, layer.value
+    feed.update(context_feed(cfg, state, depth, M > 0))
     return feed
 
 

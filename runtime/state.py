@@ -41,11 +41,9 @@ class State:
         gdn = {i: GDNLayerState(np.zeros((cfg.conv_dim, k - 1), np.float32),
                                 np.zeros((cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                           cfg.linear_value_head_dim), np.float32)) for i in cfg.linear_layers}
-        shape = (cfg.num_key_value_heads, capacity, cfg.head_dim)
-        attn = {i: AttentionLayerState(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-                for i in cfg.full_layers}
-        state = cls(gdn, attn)
-        state.resize(capacity)  # into one arena
+        empty = np.zeros((cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
+        state = cls(gdn, {i: AttentionLayerState(empty, empty) for i in cfg.full_layers})
+        state.resize(capacity)  # allocates the one K/V arena
         return state
 
     @property

@@ -11,22 +11,17 @@ from hybrid_npu.kernels.rope import rope_tables
 from .state import State
 
 
-def chain_feed(cfg: ModelConfig, state: State, ids: list[int], n: int) -> dict[str, np.ndarray]:
-    """Inputs for N = n-slot chain step over `ids` (len(ids) <= n; the tail is padding)."""
-    valid = len(ids)
-    pos = state.position
-    feed = {"input_ids": np.array(list(ids) + [0] * (n - valid), dtype=np.int64)}
-    if n > 1:
-        feed["token_valid"] = (np.arange(n) < valid).astype(np.float32)
-        feed["conv_state_select"] = chain_state_select(valid, n, cfg.linear_conv_kernel_dim)
-    feed["last_index"] = np.array([valid - 1], dtype=np.int64)
+def context_feed(cfg: ModelConfig, state: State, depth: np.ndarray, visible: np.ndarray) -> dict[str, np.ndarray]:
+    """What every step graph reads besides its tokens: rotary rows at positions P + depth, the
+    additive mask (all past rows, and the new tokens each one may see: `visible` [N, N] bool), and
+    the state itself (fed in place, no copies)."""
+    feed = {}
     if cfg.full_layers:
-        cos, sin = rope_tables(pos + np.arange(n), cfg.rotary_dim, cfg.rope_theta)
-        feed["rope_cos"], feed["rope_sin"] = cos, sin
-        cap = state.capacity
+        n, pos, cap = len(depth), state.position, state.capacity
+        feed["rope_cos"], feed["rope_sin"] = rope_tables(pos + depth, cfg.rotary_dim, cfg.rope_theta)
         mask = np.full((n, cap + n), MASKED, dtype=np.float32)
         mask[:, :pos] = 0.0
-        mask[:, cap:] = np.where(np.tril(np.ones((n, n), dtype=bool)), 0.0, MASKED)
+        mask[:, cap:] = np.where(visible, 0.0, MASKED)
         feed["attn_mask"] = mask
     for i, layer in state.gdn.items():
         feed[f"conv_state.{i}"] = layer.conv
@@ -34,6 +29,18 @@ def chain_feed(cfg: ModelConfig, state: State, ids: list[int], n: int) -> dict[s
     for i, layer in state.attention.items():
         feed[f"past_key.{i}"] = layer.key
         feed[f"past_value.{i}"] = layer.value
+    return feed
+
+
+def chain_feed(cfg: ModelConfig, state: State, ids: list[int], n: int) -> dict[str, np.ndarray]:
+    """Inputs for N = n-slot chain step over `ids` (len(ids) <= n; the tail is padding)."""
+    valid = len(ids)
+    feed = {"input_ids": np.array(list(ids) + [0] * (n - valid), dtype=np.int64)}
+    if n > 1:
+        feed["token_valid"] = (np.arange(n) < valid).astype(np.float32)
+        feed["conv_state_select"] = chain_state_select(valid, n, cfg.linear_conv_kernel_dim)
+    feed["last_index"] = np.array([valid - 1], dtype=np.int64)
+    feed.update(context_feed(cfg, state, np.arange(n), np.tril(np.ones((n, n), dtype=bool))))
     return feed
 
 

@@ -32,6 +32,7 @@ from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_gated_rmsnorm, emit_rmsnorm_1p
 from hybrid_npu.kernels.rope import emit_partial_rope
 
+from .quantize import plan_quantized_linear
 from .weights import WeightPlan
 
 PAST = "past_len"
@@ -56,14 +57,28 @@ class _Builder:
         self.g = GraphBuilder(name)
         self.n = spec.n
 
-    def w(self, stored: str) -> str:
-        """Declare a stored weight in this graph; fp16-stored matrices are widened (folded at load)."""
+    def declare(self, stored: str) -> str:
         entry = self.plan.entries[stored]
         self.g.weight(stored, entry.shape, entry.dtype)
-        return stored if entry.dtype == np.float32 else self.g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+        return stored
 
-    def linear(self, x: str, name: str, sources: list[str], in_dim: int, out_dims: list[int]) -> list[str]:
-        y = self.g.op("Gemm", x, self.w(self.plan.linear_weight(name, sources, in_dim, out_dims)), transB=1)
+    def w(self, stored: str) -> str:
+        """Declare a stored weight in this graph; fp16-stored matrices are widened (folded at load)."""
+        if self.plan.entries[self.declare(stored)].dtype == np.float32:
+            return stored
+        return self.g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+
+    def linear(self, x: str, name: str, sources: list[str], in_dim: int, out_dims: list[int], quantize: bool = True,
+               bits: int | None = None) -> list[str]:
+        """Gemm(transB=1) over the stored float matrix, or MatMulNBits over its block-quantised form."""
+        q = self.plan.quant if quantize else None
+        if q is None:
+            y = self.g.op("Gemm", x, self.w(self.plan.linear_weight(name, sources, in_dim, out_dims)), transB=1)
+        else:
+            ql = plan_quantized_linear(self.plan, name, sources, in_dim, out_dims, bits or q.bits, q)
+            y = self.g.matmul_nbits(x, self.declare(ql.b), self.declare(ql.scales),
+                                    self.declare(ql.zero_points) if ql.zero_points else None,
+                                    k=ql.k, n=ql.n, bits=ql.bits, block_size=ql.block_size)
         return [y] if len(out_dims) == 1 else self.g.split(y, out_dims, axis=-1)
 
     def norm1p(self, x: str, src: str, size: int) -> str:
@@ -77,8 +92,11 @@ class _Builder:
         attn_layers = [i for i in layers if c.layer_types[i] != LINEAR]
         if spec.first_layer == 0:
             ids = g.input("input_ids", np.int64, [n])
-            embed = self.w(self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size)))
-            x = g.op("Gather", embed, ids, axis=0)
+            table = self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size))
+            if self.plan.quant is None:
+                x = g.op("Gather", self.w(table), ids, axis=0)
+            else:  # gather the fp16 rows, then widen: the table is never widened (nor read) whole
+                x = g.op("Cast", g.op("Gather", self.declare(table), ids, axis=0), to=onnx.TensorProto.FLOAT)
         else:
             x = g.input("hidden_in", np.float32, [n, c.hidden_size])
         self.valid = g.unsqueeze(g.input("token_valid", np.float32, [n]), [1]) if gdn_layers and n > 1 else None
@@ -129,9 +147,13 @@ class _Builder:
         a = f"layers.{i}.linear_attn."
         hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                              c.linear_value_head_dim, c.linear_conv_kernel_dim)
-        qkv, z, b, a_in = self.linear(h, a + "in_proj_all", [a + s + ".weight" for s in
-                                      ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")],
-                                      c.hidden_size, [c.conv_dim, hv * dv, hv, hv])
+        sources = [a + s + ".weight" for s in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        if self.plan.quant is None:
+            qkv, z, b, a_in = self.linear(h, a + "in_proj_all", sources, c.hidden_size, [c.conv_dim, hv * dv, hv, hv])
+        else:  # b and a stay float: they set beta and the decay that the recurrent state compounds every
+            # token, and they are tiny (2·Hv rows)
+            qkv, z = self.linear(h, a + "in_proj_qkvz", sources[:2], c.hidden_size, [c.conv_dim, hv * dv])
+            b, a_in = self.linear(h, a + "in_proj_ba", sources[2:], c.hidden_size, [hv, hv], quantize=False)
         conv_state = g.input(f"conv_state.{i}", np.float32, [c.conv_dim, k - 1])
         S = g.input(f"recurrent_state.{i}", np.float32, [hv, dk, dv])
         y, new_conv = emit_short_conv(g, qkv, conv_state, self.w(self.plan.conv_weight(a + "conv1d.weight", c.conv_dim, k)),
@@ -184,7 +206,10 @@ class _Builder:
             x = g.op("Gather", x, g.input("last_index", np.int64, [1]), axis=0)
         h = self.norm1p(x, "norm.weight", c.hidden_size)
         rows = n if self.spec.all_logits else 1
-        if c.tie_word_embeddings:  # gotcha 6: tie explicitly to the embedding table
+        if self.plan.quant is not None:  # an int8 head (an untied copy when tied): QuantSpec.head_bits
+            src = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+            logits = self.linear(h, "lm_head", [src], c.hidden_size, [c.vocab_size], bits=self.plan.quant.head_bits)[0]
+        elif c.tie_word_embeddings:  # gotcha 6: tie explicitly to the embedding table
             table = self.w(self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size)))
             logits = g.op("Gemm", h, table, transB=1)
         else:

@@ -22,17 +22,20 @@ class StoredWeight:
     shape: tuple[int, ...]
     dtype: np.dtype
     make: Callable[[], np.ndarray]
+    params: int | None = None  # model parameters it holds, when not its element count (packed int4, scales)
 
 
 class WeightPlan:
-    def __init__(self, load: Callable[[str], np.ndarray], matrix_dtype=np.float32):
+    def __init__(self, load: Callable[[str], np.ndarray], matrix_dtype=np.float32, quant=None):
         self.load = load  # canonical checkpoint name -> array (HF orientation)
         self.matrix_dtype = np.dtype(matrix_dtype)
+        self.quant = quant  # export.quantize.QuantSpec: linear layers as MatMulNBits; None = float
+        self.table_dtype = np.dtype(quant.embedding_dtype) if quant is not None else self.matrix_dtype
         self.entries: dict[str, StoredWeight] = {}
 
-    def add(self, name: str, shape, make: Callable[[], np.ndarray], dtype=np.float32) -> str:
+    def add(self, name: str, shape, make: Callable[[], np.ndarray], dtype=np.float32, params: int | None = None) -> str:
         if name not in self.entries:
-            self.entries[name] = StoredWeight(tuple(shape), np.dtype(dtype), make)
+            self.entries[name] = StoredWeight(tuple(shape), np.dtype(dtype), make, params)
         return name
 
     # ---- the forms the graphs need ----
@@ -50,7 +53,7 @@ class WeightPlan:
 
     def table(self, src: str, shape) -> str:
         """An [rows, cols] table used as stored (embedding, tied lm_head via Gemm transB)."""
-        return self.add(src, shape, lambda: self.load(src).astype(self.matrix_dtype), self.matrix_dtype)
+        return self.add(src, shape, lambda: self.load(src).astype(self.table_dtype), self.table_dtype)
 
     def conv_weight(self, src: str, channels: int, k: int) -> str:
         return self.add(src + ".kc", (k, channels), lambda: self.load(src).reshape(channels, k).T.astype(np.float32))
@@ -74,7 +77,7 @@ class WeightPlan:
         return placements
 
     def total_params(self) -> int:
-        return sum(int(np.prod(w.shape)) for w in self.entries.values())
+        return sum(int(np.prod(w.shape)) if w.params is None else w.params for w in self.entries.values())
 
     def total_bytes(self) -> int:
         return sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in self.entries.values())

@@ -1,14 +1,18 @@
 """CPU prefill and decode speed: our runtime vs transformers eager, same checkpoint, same threads.
 
 Random weights with the real Qwen3.5-0.8B text config (speed does not depend on the values).
-Prints one JSON object; llama.cpp is added when a `llama-bench` binary and a GGUF are given.
+One row per weight mode (float = the fp32 export, int8 / int4 = export-hybrid --weights), each
+measured in a fresh process so its resident memory is its own. Prints one JSON object; llama.cpp
+is added when a `llama-bench` binary and a GGUF are given.
 
     python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
+                                [--weights float,int8,int4] [--out scripts/results/bench_cpu.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import platform
 import shutil
 import subprocess
@@ -23,21 +27,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_checkpoint import make_random_checkpoint  # noqa: E402
 
 
+def _memory_gb() -> dict:
+    # PSS: the weights file is mapped once per session, so RSS counts its pages twice
+    info = psutil.Process().memory_full_info()
+    return {"rss_gb": round(info.rss / 1e9, 2), "pss_gb": round(info.pss / 1e9, 2)}
+
+
 def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -> dict:
     import hybrid_npu
 
     t0 = time.perf_counter()
     engine = hybrid_npu.load(export_dir, threads=threads)
     load_s = time.perf_counter() - t0
+    after_load = _memory_gb()  # the resident weights: quantised sessions hold their prepacked copies
     engine.prefill_logits(prompt[:16])  # warm-up
     t0 = time.perf_counter()
     engine.prefill_logits(prompt)
     prefill_s = time.perf_counter() - t0
     engine.generate(prompt[:16], decode, stop_at_eos=False)
-    return {"load_s": round(load_s, 2), "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
+    weights = engine.manifest["weights"]
+    return {"weights": weights.get("mode", "float"), "weights_file_gb": round(weights["bytes"] / 1e9, 3),
+            "load_s": round(load_s, 2), "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
             "decode_tokens_per_s": round(engine.last_stats["decode_tokens_per_s"], 2),
-            # PSS: the weights file is mapped once per session, so RSS counts its pages twice
-            "pss_gb": round(psutil.Process().memory_full_info().pss / 1e9, 2)}
+            "after_load": after_load, **_memory_gb()}
+
+
+def bench_ours_fresh(export_dir: Path, threads: int, prompt: list[int], decode: int) -> dict:
+    """bench_ours in a new process: memory freed by an earlier row does not always go back to the OS."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(bench_ours, (export_dir, threads, prompt, decode))
+
+
+def ensure_export(src: Path, out: Path, weights: str) -> Path:
+    """Export once per weight mode; reused while its manifest says the same mode."""
+    from hybrid_npu.export.exporter import export
+
+    manifest = out / "model.json"
+    if not (manifest.exists() and json.loads(manifest.read_text())["weights"].get("mode", "float") == weights):
+        t0 = time.perf_counter()
+        export(src, out, chunk=128, force=True, weights=weights)
+        print(f"exported {weights} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
 
 
 def bench_transformers(src: Path, threads: int, prompt: list[int], decode: int) -> dict:
@@ -80,30 +110,32 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--gguf", type=Path, help="the same checkpoint as GGUF, for llama-bench (optional)")
+    ap.add_argument("--weights", default="float,int8,int4", help="comma-separated weight modes, one row each")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
 
-    from hybrid_npu.export.exporter import export
-    from hybrid_npu.export.manifest import is_export
-
     src = make_random_checkpoint("0.8B", args.workdir / "qwen35-0.8b-random")
-    out = args.workdir / "qwen35-0.8b-export"
-    if not is_export(out):
-        export(src, out, chunk=128, force=True)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 200_000, args.prefill)]
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": psutil.cpu_count(),
-                    "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "threads": args.threads},
-        "model": "Qwen3.5-0.8B text config, random weights, fp32",
+                    "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "threads": args.threads,
+                    "load_average": [round(x, 1) for x in psutil.getloadavg()]},
+        "model": "Qwen3.5-0.8B text config, random weights",
         "prefill_tokens": args.prefill, "decode_tokens": args.decode,
-        "hybrid_npu_cpu": bench_ours(out, args.threads, prompt, args.decode),
     }
-    if not args.skip_transformers:
+    for mode in args.weights.split(","):
+        out = args.workdir / ("qwen35-0.8b-export" if mode == "float" else f"qwen35-0.8b-export-{mode}")
+        row = "hybrid_npu_cpu" if mode == "float" else f"hybrid_npu_cpu_{mode}"
+        result[row] = bench_ours_fresh(ensure_export(src, out, mode), args.threads, prompt, args.decode)
+    if not args.skip_transformers and "hybrid_npu_cpu" in result:
         result["transformers_eager"] = bench_transformers(src, args.threads, prompt, args.decode)
         ours, hf = result["hybrid_npu_cpu"], result["transformers_eager"]
         result["speedup_vs_transformers"] = {k: round(ours[k] / hf[k], 2) for k in
                                              ("prefill_tokens_per_s", "decode_tokens_per_s")}
     result["llama_cpp"] = bench_llama_cpp(args.gguf, args.threads, args.prefill, args.decode)
     print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -1,7 +1,11 @@
 """export-hybrid SRC OUT: a Hugging Face Qwen3.5 checkpoint → an ONNX export directory.
 
     export-hybrid SRC OUT [--profile P] [--chunk C] [--dtype fp32|fp16] [--force]
+                          [--weights int8|int4 [--block-size 32] [--asymmetric]]
     export-hybrid --check-npu OUT --profile P      (prove every NPU graph places on the HTP)
+
+Progress goes to stderr (--quiet: none); stdout gets the closing table and, last, the parity line
+("parity: ok (...)"; a mismatch exits 1 and writes nothing; --no-parity skips the check).
 """
 from __future__ import annotations
 
@@ -15,6 +19,12 @@ from hybrid_npu.errors import UserError
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="export-hybrid", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p) -> None:
+    """export-hybrid's arguments; `optimum-cli export hybrid-npu` offers the same (optimum_plugin.py)."""
     p.add_argument("source", nargs="?", help="local Hugging Face checkpoint directory (config.json + *.safetensors)")
     p.add_argument("output", nargs="?", help="directory to write the export into")
     p.add_argument("--profile", help="device profile name or TOML path: also write its NPU graph parts and "
@@ -23,6 +33,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--chunk", type=int, help="prefill chunk: tokens per prefill call (default: the profile's, or 128)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"],
                    help="stored weight dtype (fp16 halves the files; compute stays fp32)")
+    p.add_argument("--weights", choices=["float", "int8", "int4"],
+                   help="int8/int4: block-quantise every linear layer (MatMulNBits, CPU only; default float)")
+    p.add_argument("--block-size", type=int, help="with --weights: weights per quantisation block (default 32)")
+    p.add_argument("--asymmetric", action="store_true", help="with --weights: a zero point per block")
     p.add_argument("--drafter", help="an EAGLE-3 drafter checkpoint directory (official/SpecForge or speculators "
                                      "layout) to export beside the model; speculation is then on by default")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
@@ -30,8 +44,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--check-npu", metavar="EXPORT", help="compile EXPORT's NPU graphs for --profile with CPU fallback "
                                                          "disabled and report placement per graph")
     p.add_argument("--json", action="store_true", help="with --check-npu: print the report as JSON")
+    p.add_argument("--max-context", type=int, metavar="N",
+                   help="with an NPU --profile: the K/V capacity (T_max) its NPU graphs are built for, instead of "
+                        "the profile's attention_capacity (rounded up to whole chunks)")
+    p.add_argument("--max-context-memory", metavar="SIZE",
+                   help="memory (e.g. 8G) for the closing table's largest context (default: available memory now)")
+    p.add_argument("--no-parity", action="store_true",
+                   help="skip the closing check against the source weights and between prefill and decode")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    return p
 
 
 def _check_npu(args) -> int:
@@ -55,39 +75,57 @@ def _check_npu(args) -> int:
     return 0 if all(r.get("ok") for r in reports) else 1
 
 
+def _parity(export_dir, manifest: dict, reports: list) -> None:
+    from hybrid_npu.export.parity import ParityError, check_parity
+
+    report = check_parity(export_dir, manifest)
+    reports.append(report)
+    if report.problems:
+        raise ParityError(report.line())
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad flag, already reported in one line (2)
         return int(e.code or 0)
+    return run(args)
+
+
+def run(args, prog: str = "export-hybrid") -> int:
+    """Export (or --check-npu) from parsed arguments; the exit code. prog names us in messages."""
     from hybrid_npu.export.exporter import export
+    from hybrid_npu.export.parity import ParityError
+    from hybrid_npu.export.summary import parse_size, summary_lines
 
     t0 = time.perf_counter()
-    say = (lambda m: None) if args.quiet else (lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", flush=True))
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}",
+                                                               file=sys.stderr, flush=True))
+    parity: list = []  # the report of the check run inside export(), before the export is moved into place
     try:
         if args.check_npu:
             return _check_npu(args)
         if not args.source or not args.output:
             raise UserError("give SOURCE and OUTPUT directories (or --check-npu EXPORT --profile P)")
+        budget = parse_size(args.max_context_memory) if args.max_context_memory else None
         manifest = export(args.source, args.output, chunk=args.chunk, dtype=args.dtype, force=args.force,
                           profile=args.profile, compile_context=not args.no_compile, verify=args.verify,
-                          drafter=args.drafter, progress=say)
+                          drafter=args.drafter, progress=say, weights=args.weights, block_size=args.block_size,
+                          asymmetric=args.asymmetric, max_context=args.max_context,
+                          check=None if args.no_parity else lambda d, m: _parity(d, m, parity))
     except UserError as e:
-        print(f"export-hybrid: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except ParityError as e:
+        print(f"{prog}: {e}; nothing was written to {args.output}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("export-hybrid: interrupted; nothing was written", file=sys.stderr)
+        print(f"{prog}: interrupted; nothing was written", file=sys.stderr)
         return 130
-    cfg = manifest["config"]
-    print(f"exported {len(cfg['layer_types'])} layers ({cfg['layer_types'].count('linear_attention')} GDN) to "
-          f"{args.output}: weights {manifest['weights']['bytes'] / 1e6:.1f} MB, state "
-          f"{manifest['state']['state_bytes'] / 1024:.1f} KiB fixed + {manifest['state']['kv_bytes_per_token']} B/token KV")
-    if manifest.get("drafter"):
-        print(f"EAGLE-3 drafter exported to {args.output}/{manifest['drafter']['dir']}")
-    for name, npu in manifest["npu"].items():
-        ctx = "precompiled" if npu["context"] else "compiled on first load"
-        print(f"NPU profile {name}: {len(npu['parts'])} part(s) {[p['layers'] for p in npu['parts']]}, context {ctx}")
+    print("\n".join(summary_lines(args.output, manifest, budget)))
+    if parity:
+        print(parity[0].line())
     return 0
 
 

@@ -6,6 +6,7 @@ refused unless force=True.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -25,6 +26,7 @@ from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
 from .manifest import FORMAT, MANIFEST, is_export, value_infos
 from .parts import htp_itemsize, plan_parts
+from .quantize import quant_spec
 from .step_graph import StepSpec, build_step_graph
 from .weights import WeightPlan
 
@@ -67,9 +69,16 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bool = False, profile=None,
            compile_context: bool = True, verify: int | None = None, drafter=None,
-           progress: Callable[[str], None] | None = None) -> dict:
+           progress: Callable[[str], None] | None = None, weights: str = "float", block_size: int | None = None,
+           asymmetric: bool = False, max_context: int | None = None,
+           check: Callable[[Path, dict], None] | None = None) -> dict:
     """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
-    HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries."""
+    HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries.
+    weights int8/int4: every linear layer block-quantised (export/quantize.py), CPU graphs only;
+    dtype then applies to what stays float. The drafter stays float.
+    max_context: the NPU graphs' K/V capacity T_max instead of the profile's (whole chunks).
+    check(dir, manifest): runs on the finished export before it is moved into place (parity);
+    whatever it raises leaves nothing written."""
     src, out = Path(src), Path(out)
     prof = load_profile(profile) if profile is not None else None
     chunk = chunk if chunk is not None else (prof.prefill_chunk if prof else DEFAULT_CHUNK)
@@ -80,19 +89,32 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
         raise UserError(f"--chunk must be at least 2 (got {chunk}); decode uses its own 1-token graph")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    quant = quant_spec(weights, block_size, asymmetric)
+    if quant is not None and prof is not None and prof.has_npu:
+        raise UserError(f"--weights {quant.mode} is CPU-only for now; the HTP path uses QDQ (not yet): "
+                        "drop --profile or --weights")
     say = progress or (lambda msg: None)
     ck = read_checkpoint(src)
     dck = read_drafter(drafter, ck.config, lambda: ck.load("embed_tokens.weight")) if drafter is not None else None
     _prepare_out(out, force)
+    capacity, note = npu_capacity(prof, max_context, chunk, ck.config)
+    if capacity is not None:
+        prof = dataclasses.replace(prof, attention_capacity=capacity)
+    say(f"read {src}: {ck.model_type}, {ck.config.num_layers} layers, {len(ck.shapes)} tensors ({ck.source_dtype})")
+    if note:
+        say(note)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context)
+        manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context, quant, max_context)
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
             manifest["drafter"] = {"dir": DRAFTER_DIR, **export_drafter(dck, tmp / DRAFTER_DIR, dtype)}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if check is not None:
+            say("checking parity against the source")
+            check(tmp, manifest)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -102,10 +124,31 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     return manifest
 
 
+def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) -> tuple[int | None, str | None]:
+    """(T_max for the NPU graphs from --max-context, rounded up to whole chunks; a note if rounded),
+    or (None, None) to keep the profile's. NPU chunks start at multiples of C from an empty
+    context, so rows past the last whole chunk would never be used."""
+    if max_context is None:
+        return None, None
+    if max_context < 1:
+        raise UserError(f"--max-context must be a positive number of tokens (got {max_context})")
+    if prof is None or not prof.has_npu:
+        raise UserError("--max-context sets the NPU graphs' K/V capacity (T_max): give an NPU --profile too "
+                        "(the CPU graphs take any context the memory allows)")
+    if max_context > cfg.max_position_embeddings:
+        raise UserError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
+                        f"{cfg.max_position_embeddings}; give at most that")
+    t_max = max(-(-max_context // chunk) * chunk, chunk)
+    if t_max > cfg.max_position_embeddings:
+        t_max -= chunk
+    note = None if t_max == max_context else f"--max-context {max_context} -> {t_max} (whole {chunk}-token chunks)"
+    return t_max, note
+
+
 def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str, say, prof,
-                  compile_context: bool) -> dict:
+                  compile_context: bool, quant=None, max_context: int | None = None) -> dict:
     cfg = ck.config
-    plan = WeightPlan(ck.load, DTYPES[dtype])
+    plan = WeightPlan(ck.load, DTYPES[dtype], quant)
     graphs_dir = tmp / "graphs"
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
@@ -115,6 +158,9 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
         parts = plan_parts(cfg, prof.part_weight_bytes, htp_itemsize(prof))
         for k, (a, b) in enumerate(parts):
             specs[f"prefill.{prof.name}.part{k}"] = StepSpec(n=chunk, first_layer=a, end_layer=b)
+            if prof.verify_device == "npu":  # the same layer ranges in tree mode
+                specs[f"verify.{prof.name}.part{k}"] = StepSpec(n=verify, first_layer=a, end_layer=b, tree=True,
+                                                                all_logits=True)
         say(f"profile {prof.name}: {len(parts)} NPU part(s), layers {parts}")
     builders = {name: build_step_graph(cfg, plan, spec, name) for name, spec in specs.items()}
     say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")
@@ -134,7 +180,14 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
                         for k, (a, b) in enumerate(parts)]
         context = compile_contexts(tmp, [p["file"] for p in part_entries], prof, chunk, say) if compile_context else None
         npu[prof.name] = {"parts": part_entries, "attention_capacity": prof.attention_capacity, "chunk": chunk,
+                          "max_context": max_context,
                           "profile": prof.to_dict(), "context": context}
+        if prof.verify_device == "npu":
+            verify_entries = [{**graphs.pop(f"verify.{prof.name}.part{k}"), "layers": [a, b]}
+                              for k, (a, b) in enumerate(parts)]
+            npu[prof.name]["verify_parts"] = verify_entries
+            npu[prof.name]["verify_context"] = compile_contexts(
+                tmp, [p["file"] for p in verify_entries], prof, verify, say) if compile_context else None
     tokenizer_files = []
     for f in TOKENIZER_FILES:
         if (ck.path / f).exists():
@@ -152,7 +205,8 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
         "chunk": chunk,
         "graphs": graphs,
         "npu": npu,
-        "weights": {"file": f"graphs/{WEIGHTS_FILE}", "bytes": plan.total_bytes(), "params": plan.total_params()},
+        "weights": {"file": f"graphs/{WEIGHTS_FILE}", "bytes": (graphs_dir / WEIGHTS_FILE).stat().st_size,
+                    "params": plan.total_params(), **(quant.to_manifest() if quant else {"mode": "float"})},
         "state": {"layers": state_layout(cfg), "state_bytes": cfg.state_bytes(),
                   "kv_bytes_per_token": cfg.kv_bytes_per_token(), "tap_layers": list(cfg.tap_layers)},
         "tokenizer": {"files": tokenizer_files, "chat_template": chat_template},

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.profiles.loader import load_profile
-from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM, npu_part_files
+from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM, npu_part_files, with_export_capacity
 from hybrid_npu.runtime.qnn import NpuUnavailable
 
 from .manifest import MANIFEST, is_export
@@ -21,6 +21,7 @@ def check_export(export_dir, profile) -> list[dict]:
     if not prof.has_npu:
         raise UserError(f"profile {prof.name} has no NPU; choose an NPU profile such as snapdragon-x-elite")
     manifest = json.loads((path / MANIFEST).read_text())
+    prof = with_export_capacity(prof, manifest)
     try:
         files = npu_part_files(path, manifest, prof)
     except NpuUnavailable as e:

@@ -1,13 +1,23 @@
-"""The same parity through the command line: export-hybrid SRC OUT, then the Python API."""
+"""The same parity through the command line: export-hybrid SRC OUT, then the Python API; the
+closing table, the parity check and --max-context."""
+import json
+import re
 import shutil
 import subprocess
 import sysconfig
 
 import numpy as np
+import onnx
+import pytest
 import torch
 
 import fixtures
 import hybrid_npu
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.errors import UserError
+from hybrid_npu.export.exporter import export
+from hybrid_npu.export.parity import check_parity
+from hybrid_npu.export.summary import human, parse_size
 
 
 def test_export_hybrid_cli_then_api(tmp_path):
@@ -30,3 +40,125 @@ def test_export_hybrid_cli_then_api(tmp_path):
     assert ours == hf
     assert set(engine.last_stats) >= {"prefill_tokens", "prefill_tokens_per_s", "decode_tokens", "decode_tokens_per_s",
                                       "ttft_s", "prefill_device", "decode_device"}
+
+
+# ---------------------------------------------------------------- the closing table, parity, --max-context
+
+def run_export(*args):
+    exe = shutil.which("export-hybrid", path=sysconfig.get_path("scripts"))
+    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_summary_table_and_parity_line(text_tied, tmp_path):
+    out = tmp_path / "out"
+    proc = run_export(text_tied.src, out, "--chunk", "8", "--max-context-memory", "64M")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "model.json").read_text())
+    lines = proc.stdout.splitlines()
+    # progress on stderr, one line per stage; stdout is the table then the parity line
+    assert not any(line.startswith("[") for line in lines)
+    for stage in ("read ", "building graphs", "writing weights", "wrote decode.onnx", "checking parity"):
+        assert stage in proc.stderr, stage
+    for g in list(manifest["graphs"].values()) + [manifest["weights"]]:
+        row = next(line for line in lines if line.split()[0:1] == [g["file"]])
+        assert human((out / g["file"]).stat().st_size) in row
+    assert f"{manifest['weights']['params']:,} params" in proc.stdout
+    assert f"{manifest['state']['kv_bytes_per_token']:,} B per token" in proc.stdout
+    cfg = ModelConfig.from_dict(manifest["config"])
+    per_token = cfg.kv_bytes_per_token() + 2 * cfg.num_attention_heads * 8 * 4  # K/V + a chunk's attention scratch
+    fits = (64 * 2**20 - manifest["weights"]["bytes"] - cfg.state_bytes()) // per_token
+    assert f"max context  {fits:,} tokens in 64.0 MiB" in proc.stdout
+    m = re.fullmatch(r"parity: ok \((\d+) source tensors equal weights.bin \(max \|diff\| (\S+)\), prefill vs 5 "
+                     r"decode steps: logits max \|diff\| (\S+), state (\S+)\)", lines[-1])
+    assert m, lines[-1]
+    assert int(m.group(1)) >= 20 and float(m.group(2)) == 0.0  # fp32: bitwise
+    assert float(m.group(3)) <= 1e-3 and float(m.group(4)) <= 1e-3
+    quiet = run_export(text_tied.src, tmp_path / "quiet", "--chunk", "8", "--quiet", "--no-parity")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert "parity:" not in quiet.stdout and "exported 6 layers" in quiet.stdout
+
+
+def test_parity_catches_a_changed_weight_and_nan_logits(text_tied, tmp_path):
+    out = shutil.copytree(text_tied.out, tmp_path / "copy")
+    manifest = json.loads((out / "model.json").read_text())
+    assert not check_parity(out, manifest).problems
+    model = onnx.load(str(out / "graphs/decode.onnx"), load_external_data=False)
+    where = {t.name: {e.key: int(e.value) for e in t.external_data if e.key != "location"} for t in model.graph.initializer}
+    weights = out / manifest["weights"]["file"]
+    data = np.fromfile(weights, np.uint8)
+    embed = where["embed_tokens.weight"]
+    data[embed["offset"]: embed["offset"] + embed["length"]].view(np.float32)[123] += 0.5  # one changed weight:
+    data.tofile(weights)  # the graphs still agree with each other, not with the source
+    report = check_parity(out, manifest)
+    assert any("embed_tokens.weight differs" in p for p in report.problems), report.problems
+    assert report.line().startswith("parity: FAILED")
+    norm = where["norm.weight"]
+    data[norm["offset"]: norm["offset"] + norm["length"]].view(np.float32)[:] = np.nan
+    data.tofile(weights)
+    assert "logits are not finite" in check_parity(out, manifest).problems
+
+
+def test_failed_parity_exits_1_and_writes_nothing(text_tied, tmp_path, monkeypatch, capsys):
+    from hybrid_npu.export import cli, parity
+
+    def broken(export_dir, manifest):
+        report = parity.ParityReport()
+        report.problems.append("prefill and decode logits differ by 0.5 (> 0.001)")
+        return report
+    monkeypatch.setattr(parity, "check_parity", broken)
+    out = tmp_path / "out"
+    assert cli.main([str(text_tied.src), str(out), "--chunk", "8", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parity: FAILED: prefill and decode logits differ" in err[0], err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--max-context", "0"], ["--max-context must be a positive"]),
+    (["--max-context", "64"], ["give an NPU --profile"]),
+    (["--max-context-memory", "lots"], ["--max-context-memory 'lots'", "8G"]),
+    (["--max-context", "many"], ["--max-context", "invalid int"]),
+])
+def test_bad_max_context_flags(text_tied, tmp_path, flags, needles, capsys):
+    from hybrid_npu.export import cli
+
+    assert cli.main([str(text_tied.src), str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_parse_size():
+    assert parse_size("8G") == parse_size("8GiB") == 8 * 2**30
+    assert parse_size("512m") == 512 * 2**20 and parse_size("1000") == 1000 and parse_size("1.5K") == 1536
+
+
+def test_max_context_beyond_the_model_is_refused(text_tied, htp_profile, tmp_path):
+    with pytest.raises(UserError, match="exceeds the model's max_position_embeddings 65536"):
+        export(text_tied.src, tmp_path / "out", chunk=8, profile=htp_profile, max_context=70_000,
+               compile_context=False)
+
+
+def test_max_context_sets_the_npu_capacity_the_runtime_uses(text_tied, htp_profile, tmp_path):
+    """--max-context 37 on a T_max-96 profile: NPU graphs compiled for 40 rows (whole chunks),
+    recorded in the manifest; the runtime then uses 40, not the profile's 96 (the context binary
+    only takes 40 rows), prefilling on the HTP up to 40 tokens and on the CPU past it."""
+    pytest.importorskip("onnxruntime_qnn", reason="the NPU path needs the qnn extra")
+    out = tmp_path / "out"
+    proc = run_export(text_tied.src, out, "--profile", htp_profile, "--max-context", "37")
+    assert proc.returncode == 0, proc.stderr
+    assert "--max-context 37 -> 40" in proc.stderr
+    assert "T_max 40 tokens (--max-context 37)" in proc.stdout
+    npu = json.loads((out / "model.json").read_text())["npu"]["test-htp"]
+    assert npu["attention_capacity"] == 40 and npu["max_context"] == 37 and npu["profile"]["shapes"]["attention_capacity"] == 40
+    assert npu["context"], "context binaries compiled (the emulator is here)"
+    assert re.search(r"prefill\.test-htp\.part0\.onnx .*NPU: (\d+)/\1 nodes on HTP", proc.stdout), proc.stdout
+    engine = hybrid_npu.load(out, profile=htp_profile, prefill="npu")
+    assert engine.profile.attention_capacity == 40 and engine.pipelines["npu_prefill"].from_context
+    ids = list(range(5, 5 + 6 * 8 + 2))  # 7 chunks: 5 fit under T_max 40, the rest run on the CPU
+    npu_logits = engine.prefill_logits(ids)
+    assert engine._prefill_devices == "QNN/HTP+CPU"
+    cpu = hybrid_npu.load(out).prefill_logits(ids)
+    assert np.abs(npu_logits - cpu).max() < 0.05 * np.abs(cpu).max()  # fp16 HTP vs fp32 CPU

@@ -1,0 +1,107 @@
+"""The table export-hybrid prints at the end: every graph file and its size on disk, NPU placement
+of the NPU parts, weights, fixed state, K/V per token and the largest context a memory budget
+holds (the runtime's own memory plan, runtime/memory.py).
+
+NPU placement is shown only where export already proved it: a part whose QNN context binary was
+compiled had CPU fallback disabled, so all its nodes are on the HTP. Without a compile (no QNN
+here, or --no-compile) the table says how to check; it never compiles just to fill a column.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.errors import UserError
+from hybrid_npu.runtime.memory import MARGIN_BYTES, plan_memory
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'8G', '8GiB', '8GB', '512M', '1073741824' -> bytes (binary units: the way RAM is sold)."""
+    m = _SIZE.fullmatch(str(text))
+    if not m:
+        raise UserError(f"--max-context-memory {text!r} is not a size; write it like 8G, 512M or 16GiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise UserError(f"--max-context-memory must be more than 0 bytes (got {text!r})")
+    return value
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _tree_size(path: Path) -> tuple[int, int]:
+    files = [f for f in path.rglob("*") if f.is_file()]
+    return sum(f.stat().st_size for f in files), len(files)
+
+
+def _file_rows(out: Path, manifest: dict) -> list[tuple[str, int, str]]:
+    """(file, bytes on disk, NPU note) for every graph, the weights, context binaries, drafter."""
+    rows = [(g["file"], (out / g["file"]).stat().st_size, "") for g in manifest["graphs"].values()]
+    for name, npu in manifest.get("npu", {}).items():
+        ctx = npu.get("context")
+        for part in npu["parts"]:
+            n = part["nodes"]
+            note = (f"NPU: {n}/{n} nodes on HTP (context compiled, CPU fallback off)" if ctx else
+                    f"NPU: placement not checked (export-hybrid --check-npu {out} --profile {name})")
+            rows.append((part["file"], (out / part["file"]).stat().st_size, note))
+        for part in npu.get("verify_parts", []):
+            rows.append((part["file"], (out / part["file"]).stat().st_size, "NPU verify part"))
+    rows.append((manifest["weights"]["file"], (out / manifest["weights"]["file"]).stat().st_size, ""))
+    for name in manifest.get("npu", {}):
+        ctx_dir = out / "ctx" / name
+        if ctx_dir.is_dir():
+            size, count = _tree_size(ctx_dir)
+            rows.append((f"ctx/{name}/ ({count} files)", size, "QNN context binaries"))
+    if manifest.get("drafter"):
+        size, count = _tree_size(out / manifest["drafter"]["dir"])
+        rows.append((f"{manifest['drafter']['dir']}/ ({count} files)", size, "EAGLE-3 drafter"))
+    return rows
+
+
+def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list[str]:
+    """memory_budget: bytes for weights + state + K/V (default: available memory now minus the
+    runtime's 1 GiB margin, as hybrid_npu.load plans it)."""
+    out = Path(out)
+    cfg = ModelConfig.from_dict(manifest["config"])
+    gdn = cfg.layer_types.count("linear_attention")
+    lines = [f"exported {cfg.num_layers} layers ({gdn} GDN) to {out}"]
+    rows = _file_rows(out, manifest)
+    width = max(len(f) for f, _, _ in rows)
+    lines += [f"  {f:<{width}}  {human(size):>10}  {note}".rstrip() for f, size, note in rows]
+    total, _ = _tree_size(out)
+    w = manifest["weights"]
+    mode = w.get("mode", "float")
+    kind = manifest["dtype"] if mode == "float" else f"{mode}, {manifest['dtype']} rest"
+    plan = plan_memory(cfg, w["bytes"], int(manifest["chunk"]), memory_budget)
+    where = "--max-context-memory" if memory_budget else f"available now minus {MARGIN_BYTES >> 30} GiB"
+    per_token = plan.kv_bytes_per_token + plan.scratch_bytes_per_token
+    fits = max(plan.budget_bytes - plan.weights_bytes - plan.state_bytes, 0) // per_token if per_token else None
+    if fits is not None and fits < cfg.max_position_embeddings:
+        context = (f"{fits:,} tokens in {human(plan.budget_bytes)} ({where}): weights + state + "
+                   "(K/V + prefill scratch) per token")
+    else:
+        held = f"; {human(plan.budget_bytes)} ({where}) would hold {fits:,}" if fits is not None else ""
+        context = f"{cfg.max_position_embeddings:,} tokens (the model's max_position_embeddings{held})"
+    facts = [("on disk", human(total)),
+             ("weights", f"{human(w['bytes'])} ({w['params']:,} params, {kind})"),
+             ("state", f"{human(cfg.state_bytes())} fixed ({gdn} GDN layers)"),
+             ("K/V", f"{cfg.kv_bytes_per_token():,} B per token ({len(cfg.full_layers)} attention layers)"),
+             ("max context", context)]
+    for name, npu in manifest.get("npu", {}).items():
+        why = f"--max-context {npu['max_context']}" if npu.get("max_context") else "the profile's"
+        facts.append((f"NPU {name}", f"{len(npu['parts'])} part(s), T_max {npu['attention_capacity']:,} tokens "
+                                     f"({why}), chunk {npu['chunk']}"))
+    if manifest.get("drafter"):
+        facts.append(("drafter", f"{manifest['drafter']['dir']}/: speculation on by default"))
+    key_width = max(len(k) for k, _ in facts)
+    lines += [f"{k:<{key_width}}  {v}" for k, v in facts]
+    return lines

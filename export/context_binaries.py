@@ -5,7 +5,7 @@ shapes; the binaries land in ctx/<profile>/ and are recorded with the QNN releas
 
 Weight sharing across contexts (ep.share_ep_contexts) is not used: loading a shared context
 fails on the emulator with QNN_COMMON_ERROR_NOT_SUPPORTED (research/htp-probe.md §8), so each
-part holds its own weights; prefill is the only NPU graph today, so nothing is held twice.
+part holds its own weights; a profile that verifies on the NPU holds its weights twice (prefill and verify contexts).
 """
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ from hybrid_npu.runtime.qnn import NpuUnavailable, qnn_devices, qnn_version
 from .npu_check import compile_on_npu
 
 
-def compile_contexts(root: Path, part_files: list[str], prof, chunk: int, say) -> dict | None:
+def compile_contexts(root: Path, part_files: list[str], prof, n: int, say) -> dict | None:
+    """n: the graphs' token count (the prefill chunk or the verify tree size)."""
     try:
         qnn_devices()
     except NpuUnavailable as e:
         say(f"no QNN context binaries: {e}; the runtime will compile the NPU graphs on first load")
         return None
     ctx_dir = root / "ctx" / prof.name
-    ctx_dir.mkdir(parents=True)
-    free_dims = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + chunk}
+    ctx_dir.mkdir(parents=True, exist_ok=True)
+    free_dims = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + n}
     files, seconds = [], 0.0
     for f in part_files:
         ctx = ctx_dir / (Path(f).stem + "_ctx.onnx")

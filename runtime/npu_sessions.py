@@ -1,8 +1,10 @@
-"""Open the NPU prefill pipeline of an export for a profile: its parts (or the whole prefill graph
-when it fits one part), from precompiled QNN context binaries when they match this machine's
-QNN and the profile's SoC, else compiled from the ONNX graphs at the profile's static shapes."""
+"""Open an NPU pipeline of an export for a profile, prefill or tree verify: its parts (or the
+whole graph when it fits one part), from precompiled QNN context binaries when they match this
+machine's QNN and the profile's SoC, else compiled from the ONNX graphs at the profile's static
+shapes (N tokens, past K/V = T_max rows)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -15,15 +17,29 @@ PAST_DIM, MASK_DIM = "past_len", "past_len_plus_n"  # the step graphs' only free
 NPU_DEVICE = "QNN/HTP"
 
 
-def npu_part_files(path: Path, manifest: dict, profile) -> list[str]:
+# graph -> (the manifest's NPU entry keys for its parts and context binaries)
+NPU_GRAPHS = {"prefill": ("parts", "context"), "verify": ("verify_parts", "verify_context")}
+
+
+def npu_part_files(path: Path, manifest: dict, profile, graph: str = "prefill") -> list[str]:
+    parts_key, _ = NPU_GRAPHS[graph]
     entry = manifest.get("npu", {}).get(profile.name)
-    if entry:
-        return [p["file"] for p in entry["parts"]]
+    if entry and entry.get(parts_key):
+        return [p["file"] for p in entry[parts_key]]
     htp_bytes = manifest["weights"]["params"] * (2 if profile.npu.precision == "fp16" else 1)
-    if htp_bytes <= profile.part_weight_bytes:  # the whole prefill graph is one part
-        return [manifest["graphs"]["prefill"]["file"]]
-    raise NpuUnavailable(f"this export has no NPU graphs for profile {profile.name} (its weights exceed one part); "
+    if htp_bytes <= profile.part_weight_bytes and graph in manifest["graphs"]:  # the whole graph is one part
+        return [manifest["graphs"][graph]["file"]]
+    raise NpuUnavailable(f"this export has no NPU {graph} graphs for profile {profile.name}; "
                          f"re-export with: export-hybrid SOURCE {path} --profile {profile.name}")
+
+
+def with_export_capacity(profile, manifest: dict):
+    """The profile with the T_max this export's NPU graphs were planned and compiled for
+    (export-hybrid --max-context overrides the profile's attention_capacity)."""
+    t_max = manifest.get("npu", {}).get(profile.name, {}).get("attention_capacity")
+    if t_max is None or t_max == profile.attention_capacity:
+        return profile
+    return dataclasses.replace(profile, attention_capacity=int(t_max))
 
 
 def _context_problem(ctx: dict, profile) -> str | None:
@@ -34,10 +50,11 @@ def _context_problem(ctx: dict, profile) -> str | None:
     return None
 
 
-def open_npu_prefill(path: Path, manifest: dict, profile) -> Pipeline:
-    files = npu_part_files(path, manifest, profile)
+def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill") -> Pipeline:
+    files = npu_part_files(path, manifest, profile, graph)
+    n = int(manifest["chunk"]) if graph == "prefill" else int(manifest["graphs"]["verify"]["n"])
     options = profile.qnn_provider_options()
-    ctx = manifest.get("npu", {}).get(profile.name, {}).get("context")
+    ctx = manifest.get("npu", {}).get(profile.name, {}).get(NPU_GRAPHS[graph][1])
     problem = _context_problem(ctx, profile) if ctx else "none"
     sessions = []
     for i, f in enumerate(files):
@@ -52,8 +69,8 @@ def open_npu_prefill(path: Path, manifest: dict, profile) -> Pipeline:
         elif problem != "none" and i == 0:
             print(f"hybrid-npu: QNN context binaries {problem}; compiling from the ONNX graphs", file=sys.stderr)
         if session is None:
-            t_max, chunk = profile.attention_capacity, int(manifest["chunk"])
-            so = qnn_session_options(options, {PAST_DIM: t_max, MASK_DIM: t_max + chunk})
+            t_max = profile.attention_capacity
+            so = qnn_session_options(options, {PAST_DIM: t_max, MASK_DIM: t_max + n})
             session = ort.InferenceSession(str(path / f), so)
         sessions.append(session)
     pipe = Pipeline(sessions, NPU_DEVICE, files)

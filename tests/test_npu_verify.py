@@ -1,0 +1,66 @@
+"""Tree verify on the NPU (profile verify_device = "npu"): the verify graph, whole or cut into the
+profile's parts with precompiled contexts, runs on the HTP emulator (CPU fallback disabled) and
+speculative greedy output stays the plain CPU greedy output."""
+import numpy as np
+import pytest
+from conftest import CHUNK
+from test_npu_export import derived_profile
+from test_speculative import OracleDrafter
+
+import hybrid_npu
+from hybrid_npu.export.exporter import export
+
+pytest.importorskip("onnxruntime_qnn", reason="the NPU path needs the qnn extra")
+
+PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, 300, 2 * CHUNK + 3)]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def plain(text_tied):
+    return hybrid_npu.load(text_tied.out).generate(PROMPT, NEW, stop_at_eos=False)
+
+
+def speculate_on_npu(export_dir, profile, plain):
+    engine = hybrid_npu.load(export_dir, profile=profile, prefill="npu")
+    assert "npu_verify" in engine.pipelines
+    engine.drafter = OracleDrafter(320, engine, PROMPT + plain, wrong_rate=0.3, seed=1)
+    out = engine.generate(PROMPT, NEW, stop_at_eos=False)
+    return engine, out
+
+
+def test_whole_verify_graph_on_the_htp_gives_the_plain_greedy_tokens(text_tied, htp_profile, tmp_path, plain):
+    """The tiny export fits one part: its own verify graph is compiled for the HTP at load."""
+    prof = derived_profile(htp_profile, tmp_path, "test-npu-verify", verify_device='"npu"')
+    engine, out = speculate_on_npu(text_tied.out, prof, plain)
+    stats = engine.last_stats
+    assert stats["verify_device"] == "QNN/HTP" and stats["prefill_device"] == "QNN/HTP"
+    assert stats["rounds"] > 0 and stats["acceptance_length"] > 1.5
+    assert out == plain
+    print(f"\nHTP verify: acceptance length {stats['acceptance_length']:.2f} over {stats['rounds']} rounds")
+
+
+def test_verify_parts_and_contexts_on_the_htp_give_the_plain_greedy_tokens(text_tied, htp_profile,
+                                                                           tmp_path, plain):
+    prof = derived_profile(htp_profile, tmp_path, "test-verify-parts", verify_device='"npu"',
+                           part_weight_bytes=150_000, verify_tree_size=16)
+    out_dir = tmp_path / "export"
+    manifest = export(text_tied.src, out_dir, chunk=CHUNK, profile=prof)
+    entry = manifest["npu"]["test-verify-parts"]
+    assert len(entry["verify_parts"]) == len(entry["parts"]) >= 2
+    assert entry["verify_context"] and len(entry["verify_context"]["files"]) == len(entry["verify_parts"])
+    engine, out = speculate_on_npu(out_dir, prof, plain)
+    assert engine.pipelines["npu_verify"].from_context  # the precompiled binaries, not a compile at load
+    assert engine.last_stats["verify_device"] == "QNN/HTP"
+    assert out == plain
+
+
+def test_a_context_beyond_the_npu_capacity_verifies_on_the_cpu(text_tied, htp_profile, tmp_path):
+    """T_max rows are all the NPU graph reads: past them, rounds go to the CPU verify graph."""
+    prof = derived_profile(htp_profile, tmp_path, "test-npu-verify-cap", verify_device='"npu"')
+    cpu_plain = hybrid_npu.load(text_tied.out).generate(PROMPT, 100, stop_at_eos=False)
+    engine = hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
+    engine.drafter = OracleDrafter(320, engine, PROMPT + cpu_plain, wrong_rate=0.3, seed=2)
+    out = engine.generate(PROMPT, 100, stop_at_eos=False)  # 19 + 100 tokens > T_max 96
+    assert out == cpu_plain
+    assert engine.last_stats["verify_device"] == "CPU"

@@ -22,7 +22,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.profiles.loader import load_profile
 
 from .memory import plan_memory
-from .npu_sessions import NPU_DEVICE, open_npu_prefill
+from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline
 from .qnn import NpuUnavailable
 from .sampling import choose
@@ -53,7 +53,7 @@ class Engine:
         self.manifest = json.loads(manifest_file.read_text())
         self.config = ModelConfig.from_dict(self.manifest["config"])
         self.chunk = int(self.manifest["chunk"])
-        self.profile = load_profile(profile)
+        self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max
         self.prefill_mode = prefill
         opts = ort.SessionOptions()
         if threads:
@@ -65,7 +65,10 @@ class Engine:
         # No arena: a long prefill's attention scratch (scores over the whole context) goes back to
         # the system after each call instead of staying reserved as the context grows.
         opts.enable_cpu_mem_arena = False
-        if os.environ.get("HYBRID_NPU_PREPACK") != "1":
+        # Quantised exports must prepack: MatMulNBits without it dequantises all of B on every call
+        # (measured 15x slower); each session then holds its own packed copy.
+        quantized = self.manifest["weights"].get("mode", "float") != "float"
+        if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not quantized:
             opts.add_session_config_entry("session.disable_prepacking", "1")
         self.pipelines = {name: Pipeline([ort.InferenceSession(str(self.path / g["file"]), opts,
                                                                providers=["CPUExecutionProvider"])], CPU_DEVICE)
@@ -87,15 +90,22 @@ class Engine:
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
 
     def _open_npu(self) -> None:
-        """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max."""
+        """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max;
+        the tree-verify graph too when the profile verifies on the NPU (N = tree size)."""
         try:
-            self.pipelines["npu_prefill"] = open_npu_prefill(self.path, self.manifest, self.profile)
+            self.pipelines["npu_prefill"] = open_npu_pipeline(self.path, self.manifest, self.profile)
         except NpuUnavailable as e:
             if self.prefill_mode == "npu":
                 raise UserError(f"prefill='npu' but {e}") from None
             self.notice = f"profile {self.profile.name}: {e}; running on the CPU"
             print(f"hybrid-npu: {self.notice}", file=sys.stderr)
             return
+        if self.profile.verify_device == "npu" and "verify" in self.manifest["graphs"]:
+            try:
+                self.pipelines["npu_verify"] = open_npu_pipeline(self.path, self.manifest, self.profile, "verify")
+            except NpuUnavailable as e:
+                self.notice = f"profile {self.profile.name}: {e}; verifying on the CPU"
+                print(f"hybrid-npu: {self.notice}", file=sys.stderr)
 
     def _open_drafter(self, drafter, threads):
         """drafter: None (the export's own drafter/, if any), an exported drafter directory, or any
@@ -212,13 +222,16 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
                  on_token: Callable[[int], None] | None = None, append: bool = False,
-                 progress: Callable[[int, int], None] | None = None, speculative: bool | None = None) -> list[int]:
+                 progress: Callable[[int, int], None] | None = None, speculative: bool | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> list[int]:
         """Prefill the prompt, then decode up to max_new_tokens; returns the new ids.
 
         append=False starts a fresh context; append=True continues the conversation: only the new
         part is prefilled (on the NPU when it reaches the profile's threshold). speculative (default:
         on when a drafter is attached) drafts a token tree per round and verifies it in one pass;
-        the output is exactly the plain output (greedy) or has exactly its distribution (sampled)."""
+        the output is exactly the plain output (greedy) or has exactly its distribution (sampled).
+        should_stop (e.g. Ctrl-C) is asked between steps: a speculative round always finishes, so the
+        state stays at the last committed token and the next turn can continue after it."""
         speculative = self.drafter is not None if speculative is None else speculative
         if speculative and self.drafter is None:
             raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")
@@ -235,7 +248,8 @@ class Engine:
         if self.drafter is not None and self._tap_pending is not None:
             self.drafter.observe([token], self._tap_pending[None])
             self._tap_pending = None
-        done = lambda: (stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= max_new_tokens  # noqa: E731
+        done = lambda: ((stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= max_new_tokens  # noqa: E731
+                        or (should_stop is not None and should_stop()))
         if on_token:
             on_token(token)
         while not done():
@@ -259,6 +273,7 @@ class Engine:
         if speculative:
             r = self.spec_stats
             self.last_stats.update(rounds=r["rounds"], draft_s=r["draft_s"], verify_s=r["verify_s"],
+                                   verify_device=r.get("verify_device", CPU_DEVICE),
                                    acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1))
         return new
 
@@ -272,7 +287,12 @@ class Engine:
         tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
         t1 = time.perf_counter()
         self._check_fits(n)
-        out = self.pipelines["verify"].run(tree_feed(self.config, self.state, tree))
+        t_max = self.profile.attention_capacity
+        on_npu = "npu_verify" in self.pipelines and self.state.position + n <= t_max
+        if on_npu and self.state.capacity != t_max:
+            self.state.resize(t_max)  # the NPU graphs read exactly T_max rows; kept for the next rounds
+        out = self.pipelines["npu_verify" if on_npu else "verify"].run(tree_feed(self.config, self.state, tree))
+        self.spec_stats["verify_device"] = NPU_DEVICE if on_npu else CPU_DEVICE
         if temperature <= 0.0:
             path, bonus = accept_greedy(out["logits"], tree, n_real)
         else:
@@ -291,6 +311,11 @@ class Engine:
         self.spec_stats["verify_s"] += time.perf_counter() - t1
         return emitted
 
+    def context_ids(self) -> list[int]:
+        """Every token of the conversation so far: the committed ones and the last reply's final
+        token (not yet in the state); a chat front end compares it with its next rendered prompt."""
+        return list(self.state.tokens) + list(self._pending)
+
     # ---------------------------------------------------------------- snapshots
     def save_state(self, path) -> None:
         """The whole conversation (GDN + conv states, K/V rows in use, token history) to one file."""
@@ -306,4 +331,6 @@ class Engine:
         from .snapshot import load_state
 
         self.state = load_state(path, self.config, manifest_hash(self.path), KV_BLOCK)
-        self._pending = []
+        self._pending, self._tap_pending = [], None
+        if self.drafter is not None:  # its cache held the old context; it re-learns from the next round
+            self.drafter.reset()

@@ -1,7 +1,8 @@
-"""What every CLI shares: argument errors in one line, exit code 2."""
+"""What every CLI shares: argument errors in one line, exit code 2; memory sizes as flags."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
@@ -11,3 +12,14 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """argparse type for memory sizes: bytes (8589934592) or with a binary unit (8G, 512M, 8GiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; give bytes or e.g. 8G, 512M")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])

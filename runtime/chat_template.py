@@ -1,0 +1,90 @@
+"""The model's own chat template (Jinja, from the export) rendered the way Hugging Face renders it.
+
+Sandboxed (ImmutableSandboxedEnvironment: a template can read what it is given, never change it
+or reach Python internals), trim_blocks/lstrip_blocks, loopcontrols, `tojson`, `raise_exception`
+and `strftime_now`, with the tokenizer's special tokens (bos_token, eos_token, ...) as variables.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from hybrid_npu.errors import UserError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _template_error(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _pick(template):
+    """tokenizer_config.json may hold one template or a list of named ones; chat uses "default"."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
+
+
+def _token_text(value):
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = "chat template"):
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise UserError(f"{origin} does not compile ({e}); re-export the model with a valid chat_template") from None
+        self.origin = origin
+
+    @property
+    def has_thinking_switch(self) -> bool:
+        """The template reads `enable_thinking` (Qwen3-style reasoning on/off)."""
+        return "enable_thinking" in self.source
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None) -> str:
+        import jinja2
+
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self.special_tokens, **extra)
+        except jinja2.TemplateError as e:
+            raise UserError(f"{self.origin} refused the conversation: {e}") from None
+
+    @classmethod
+    def from_export(cls, path) -> "ChatTemplate":
+        """model.json's copy first (what the exporter recorded), else tokenizer_config.json, else
+        chat_template.jinja (the newer Hugging Face layout)."""
+        path = Path(path)
+        tok_cfg = {}
+        if (path / "tokenizer_config.json").exists():
+            tok_cfg = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        manifest = json.loads((path / "model.json").read_text(encoding="utf-8"))
+        source = _pick((manifest.get("tokenizer") or {}).get("chat_template")) or _pick(tok_cfg.get("chat_template"))
+        if not source and (path / "chat_template.jinja").exists():
+            source = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if not source:
+            raise UserError(f"{path} has no chat template (tokenizer_config.json has no chat_template); "
+                            "re-export from a checkpoint whose tokenizer has one")
+        special = {k: _token_text(tok_cfg[k]) for k in SPECIAL_TOKEN_KEYS if _token_text(tok_cfg.get(k))}
+        return cls(source, special, origin=f"the chat template of {path}")

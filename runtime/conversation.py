@@ -1,0 +1,194 @@
+"""A chat held on one Engine: the messages, the prompt the template renders from them, the part
+of it the engine has not seen yet, streaming text, and save/load of the whole conversation.
+
+Each turn renders the whole conversation and tokenizes it. When the engine's context (every token
+it holds) is a prefix of that, only the rest is prefilled; otherwise (an edited system prompt, a
+template that rewrites earlier turns, a reply that tokenizes differently when re-read) the context
+starts over and the whole conversation is prefilled.
+
+/save writes the engine snapshot (safetensors, see snapshot.py) to FILE and the messages to the
+sidecar FILE.json, which records the snapshot's sha256 so a mismatched pair is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from hybrid_npu.errors import UserError
+
+from .chat_template import ChatTemplate
+
+CHAT_FORMAT = "hybrid-npu-chat/1"
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    speculative: bool | None = None  # None: speculate when the model has a drafter
+    stop_at_eos: bool = True
+
+
+@dataclass
+class Reply:
+    text: str
+    token_ids: list[int]
+    stopped: bool                  # cut short by should_stop (Ctrl-C)
+    reused_tokens: int             # context tokens kept instead of prefilled again
+    stats: dict = field(default_factory=dict)
+
+
+def remaining(context: list[int], full: list[int]) -> list[int] | None:
+    """The tokens of `full` after `context` when `context` is a proper prefix of it; None: start over."""
+    if context and len(full) > len(context) and full[: len(context)] == context:
+        return full[len(context):]
+    return None
+
+
+class StreamDecoder:
+    """Text pieces for a growing reply: decode all of it so far and hand out the new suffix, so a
+    character split over several byte tokens appears whole. A trailing U+FFFD (an incomplete
+    character) is held back until the next token completes it, or until flush()."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids)
+        return "" if text.endswith("\ufffd") else self._advance(text)
+
+    def flush(self) -> str:
+        return self._advance(self.tokenizer.decode(self.ids))
+
+    def _advance(self, text: str) -> str:
+        piece = text[len(self.shown):] if text.startswith(self.shown) else ""  # printed text cannot be taken back
+        self.shown = text
+        return piece
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sidecar(path) -> Path:
+    """Where the messages of a saved chat live: next to the snapshot, FILE.json."""
+    return Path(f"{path}.json")
+
+
+class Conversation:
+    def __init__(self, engine, template: ChatTemplate | None = None, system: str | None = None,
+                 enable_thinking: bool | None = None):
+        if engine.tokenizer is None:
+            raise UserError(f"{engine.path} has no tokenizer.json; re-export from a checkpoint that has one")
+        self.engine = engine
+        self.template = template or ChatTemplate.from_export(engine.path)
+        if enable_thinking is not None and not self.template.has_thinking_switch:
+            raise UserError("this model's chat template has no thinking switch (enable_thinking); "
+                            "drop --think/--no-think")
+        self.enable_thinking = enable_thinking
+        self.messages: list[dict] = []
+        self.set_system(system)
+
+    # ---------------------------------------------------------------- the messages
+    @property
+    def system(self) -> str | None:
+        return self.messages[0]["content"] if self.messages and self.messages[0]["role"] == "system" else None
+
+    def set_system(self, text: str | None) -> None:
+        """Replace the system prompt (None or "": none); the turns so far stay."""
+        if self.system is not None:
+            self.messages.pop(0)
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def reset(self) -> None:
+        """Forget the turns (the system prompt stays) and the engine's context."""
+        self.messages = self.messages[:1] if self.system is not None else []
+        self.engine.reset()
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The conversation rendered by the template (ending in the assistant's cue), as token ids."""
+        text = self.template.render(messages, add_generation_prompt=True, enable_thinking=self.enable_thinking)
+        return self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+
+    # ---------------------------------------------------------------- a turn
+    def reply(self, user_text: str, sampling: Sampling, on_text: Callable[[str], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> Reply:
+        """Add the user's message, generate the assistant's reply (streamed to on_text), keep both.
+        A reply cut short by should_stop is kept as it is."""
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        full = self.prompt_ids(messages)
+        rest = remaining(self.engine.context_ids(), full)
+        stream = StreamDecoder(self.engine.tokenizer)
+
+        def on_token(token: int) -> None:
+            piece = stream.push(token)
+            if piece and on_text:
+                on_text(piece)
+
+        ids = self.engine.generate(full if rest is None else rest, sampling.max_new_tokens,
+                                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                   seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, on_token=on_token,
+                                   append=rest is not None, speculative=sampling.speculative, should_stop=should_stop)
+        tail = stream.flush()
+        if tail and on_text:
+            on_text(tail)
+        text = self.engine.tokenizer.decode(ids)
+        self.messages = messages + [{"role": "assistant", "content": text}]
+        return Reply(text, ids, bool(should_stop and should_stop()),
+                     0 if rest is None else len(full) - len(rest), dict(self.engine.last_stats))
+
+    # ---------------------------------------------------------------- save / load
+    def save(self, path) -> Path:
+        """The engine snapshot to `path`, the messages to its sidecar; returns the sidecar."""
+        path = Path(path)
+        self.engine.save_state(path)
+        side = sidecar(path)
+        payload = {"format": CHAT_FORMAT, "state_sha256": _sha256(path), "messages": self.messages}
+        tmp = side.with_name(side.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(payload, ensure_ascii=False, indent=1), encoding="utf-8")
+            os.replace(tmp, side)
+        except OSError as e:
+            raise UserError(f"cannot save chat to {side}: {e.strerror or e}; choose a writable directory") from None
+        return side
+
+    def load(self, path) -> None:
+        """Restore a chat saved by save(): the engine's context and the messages, both or neither."""
+        path, side = Path(path), sidecar(path)
+        if not path.is_file():
+            raise UserError(f"cannot load chat {path}: no such file; give a file written by /save")
+        try:
+            data = json.loads(side.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"cannot load chat {path}: its messages ({side.name}) are missing; "
+                            "keep the two files /save wrote together") from None
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load chat {path}: {side.name} is unreadable ({e}); save the chat again") from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if (data.get("format") if isinstance(data, dict) else None) != CHAT_FORMAT or not _valid(messages):
+            raise UserError(f"cannot load chat {path}: {side.name} is not a {CHAT_FORMAT} file; "
+                            "give a file written by /save")
+        if data.get("state_sha256") != _sha256(path):
+            raise UserError(f"cannot load chat {path}: the snapshot does not match {side.name} "
+                            "(overwritten or altered); save the chat again")
+        self.engine.load_state(path)  # validates model and checksum; changes nothing when it refuses
+        self.messages = messages
+
+
+def _valid(messages) -> bool:
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)

@@ -2,7 +2,22 @@
 prefilled on a Snapdragon NPU and decoded on the CPU."""
 from __future__ import annotations
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+# The embedded default model (an export of the model scripts/train_target.py trains, with its
+# EAGLE-3 drafter): what npu-chat and npu-summarize open when no model is given.
+DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "default"
+
+
+def default_model() -> Path:
+    from hybrid_npu.errors import UserError
+
+    if not (DEFAULT_MODEL / "model.json").exists():
+        raise UserError(f"this install has no embedded default model ({DEFAULT_MODEL}); "
+                        "pass an export-hybrid output directory")
+    return DEFAULT_MODEL
 
 
 def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None, memory: int | None = None,

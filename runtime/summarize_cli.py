@@ -1,0 +1,201 @@
+"""npu-summarize: summarise a long document fully offline.
+
+    npu-summarize FILE [--model EXPORT] [--max-new-tokens 256] [--memory 8G] [--json] ...
+
+The document (.txt, .md, or .pdf with the `pdf` extra) becomes one user turn of the model's own
+chat template, INSTRUCTION + document (the instruction the embedded model is trained with), with
+thinking off where the template has the switch. The prompt is checked against the memory plan
+before any work, prefilled in chunks with a progress bar on stderr, and the summary streams to
+stdout as it is decoded, so `npu-summarize doc.md > summary.txt` keeps only the summary.
+
+document_tokens is the length of the whole rendered prompt (template + instruction + document):
+what is prefilled, and what has to fit in the context next to --max-new-tokens.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from hybrid_npu.cli_common import OneLineParser, byte_size
+from hybrid_npu.errors import UserError
+
+from .engine import CPU_DEVICE, PREFILL_MODES
+
+INSTRUCTION = "Summarize the following document.\n\n"
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="npu-summarize", description="Summarize a .txt, .md or .pdf document offline with "
+                      "an exported hybrid model: summary on stdout, progress on stderr.")
+    p.add_argument("file", help="the document (.pdf needs: pip install hybrid-npu[pdf])")
+    p.add_argument("--model", help="an export-hybrid output directory (default: the embedded model)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest summary in tokens (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--profile", default="cpu", help="device profile name or TOML path (default: cpu)")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="auto", help="where the document is prefilled")
+    p.add_argument("--memory", type=byte_size, help="memory budget: bytes or e.g. 8G (default: the profile's)")
+    p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--no-speculative", action="store_true", help="decode token by token even with a drafter")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object {text, token_ids, document_tokens, stats}, no progress bar")
+    p.add_argument("--quiet", action="store_true", help="nothing on stderr but errors")
+    return p
+
+
+def check_args(a) -> None:
+    if a.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {a.max_new_tokens}: give at least 1")
+    if a.temperature < 0:
+        raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or more")
+    if a.threads is not None and a.threads < 1:
+        raise UserError(f"--threads {a.threads}: give at least 1")
+
+
+def open_model(a):
+    import hybrid_npu
+
+    path = Path(a.model) if a.model else hybrid_npu.default_model()
+    if not path.is_dir():
+        raise UserError(f"model directory {path} does not exist; give an export-hybrid output directory")
+    return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory)
+
+
+def prompt_ids(engine, document: str) -> list[int]:
+    """One user turn, INSTRUCTION + document, rendered by the export's chat template up to the
+    assistant's cue, thinking off where the template can switch it."""
+    from .chat_template import ChatTemplate
+
+    if engine.tokenizer is None:
+        raise UserError(f"{engine.path} has no tokenizer.json; re-export from a checkpoint that has one")
+    template = ChatTemplate.from_export(engine.path)
+    text = template.render([{"role": "user", "content": INSTRUCTION + document}], add_generation_prompt=True,
+                           enable_thinking=False if template.has_thinking_switch else None)
+    return engine.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def check_fits(engine, n_prompt: int, max_new_tokens: int, source) -> None:
+    """Refuse, before any work, a prompt that leaves no room for the summary in the memory plan."""
+    report = engine.memory_report()
+    if n_prompt + max_new_tokens > report["max_context"]:
+        raise UserError(f"{source} is {n_prompt} tokens with the prompt; with --max-new-tokens {max_new_tokens} "
+                        f"that exceeds the {report['max_context']}-token context the memory plan allows "
+                        f"(budget {_size(report['budget_bytes'])}); raise --memory or summarize a smaller file")
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def prefill_device(engine, n_tokens: int) -> str:
+    """Where Engine.prefill starts these tokens (its own rule), known before the first chunk."""
+    from .npu_sessions import NPU_DEVICE
+
+    return NPU_DEVICE if engine._wants_npu(n_tokens) else CPU_DEVICE
+
+
+class PrefillBar:
+    """Prefill progress on stderr: tokens done/total, tokens/s, ETA and device. It stops at the last
+    chunk, so the summary that follows is never drawn under a live bar."""
+
+    def __init__(self, total: int, device: str):
+        self._progress = Progress(TextColumn("prefill on {task.fields[device]}"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("tokens"), RateColumn(), TimeRemainingColumn(),
+                                  console=Console(stderr=True), redirect_stdout=False, redirect_stderr=False)
+        self._task = self._progress.add_task("prefill", total=total, device=device)
+
+    def __enter__(self) -> "PrefillBar":
+        self._progress.start()
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        self._progress.update(self._task, completed=done)
+        if done >= total:
+            self._progress.stop()
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+
+class RateColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.0f} tok/s" if speed else "-- tok/s")
+
+
+def summarize(engine, ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
+              speculative: bool | None = None, on_text=None, progress=None) -> dict:
+    """Prefill the prompt, decode the summary (streamed to on_text in whole characters)."""
+    from .conversation import StreamDecoder
+
+    stream = StreamDecoder(engine.tokenizer)
+
+    def on_token(token: int) -> None:
+        piece = stream.push(token)
+        if piece and on_text:
+            on_text(piece)
+
+    new = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed, on_token=on_token,
+                          progress=progress, speculative=speculative)
+    tail = stream.flush()
+    if tail and on_text:
+        on_text(tail)
+    return {"text": engine.tokenizer.decode(new), "token_ids": new, "document_tokens": len(ids),
+            "stats": dict(engine.last_stats)}
+
+
+def stats_line(stats: dict) -> str:
+    return (f"npu-summarize: prefill {stats['prefill_tokens']} tokens on {stats['prefill_device']} at "
+            f"{stats['prefill_tokens_per_s']:,.0f} tok/s ({stats['ttft_s']:.1f} s); decode "
+            f"{stats['decode_tokens']} tokens at {stats['decode_tokens_per_s']:.1f} tok/s")
+
+
+def _show(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        from .documents import read_document
+
+        check_args(a)
+        document = read_document(a.file)  # before the model loads: a bad file fails in a moment
+        engine = open_model(a)
+        ids = prompt_ids(engine, document)
+        check_fits(engine, len(ids), a.max_new_tokens, a.file)
+        options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
+                       speculative=False if a.no_speculative else None)
+        if a.json:
+            print(json.dumps(summarize(engine, ids, **options)))
+            return 0
+        if hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(errors="replace")  # a console that cannot show a character gets "?", not a crash
+        if a.quiet:
+            summarize(engine, ids, on_text=_show, **options)
+            print()
+            return 0
+        with PrefillBar(len(ids), prefill_device(engine, len(ids))) as bar:
+            result = summarize(engine, ids, on_text=_show, progress=bar, **options)
+        print()
+        print(stats_line(result["stats"]), file=sys.stderr)
+        return 0
+    except UserError as e:
+        print(f"npu-summarize: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

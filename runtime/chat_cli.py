@@ -4,28 +4,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser, byte_size
+from hybrid_npu.cli_common import OneLineParser
 from hybrid_npu.errors import UserError
 
-from .engine import PREFILL_MODES
+from .model_args import add_engine_arguments, check_engine_arguments, open_model
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="npu-chat", description="Chat with an exported hybrid model (REPL; /help inside), "
                                                     "or answer one --prompt and exit.")
     p.add_argument("model", nargs="?", help="an export-hybrid output directory (default: the embedded model)")
-    p.add_argument("--profile", default="cpu", help="device profile name or TOML path (default: cpu)")
-    p.add_argument("--prefill", choices=PREFILL_MODES, default="auto", help="where prompts are prefilled")
-    p.add_argument("--memory", type=byte_size, help="memory budget: bytes or e.g. 8G (default: the profile's)")
-    p.add_argument("--threads", type=int, help="CPU threads")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    add_engine_arguments(p, "where prompts are prefilled")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, help="sampling seed (each reply starts from it)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens (default: 512)")
-    p.add_argument("--no-speculative", action="store_true", help="decode token by token even with a drafter")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end of turn (benchmarks)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
@@ -40,25 +34,11 @@ def check_args(a) -> None:
         raise UserError("--prompt is empty; give the message to answer, e.g. --prompt \"Hello\"")
     if a.json and a.prompt is None:
         raise UserError("--json needs --prompt (it prints one reply as JSON)")
-    if a.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {a.max_new_tokens}: give at least 1")
-    if a.temperature < 0:
-        raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or more")
+    check_engine_arguments(a)
     if not 0 < a.top_p <= 1:
         raise UserError(f"--top-p {a.top_p}: give a value in (0, 1]")
     if a.top_k < 0:
         raise UserError(f"--top-k {a.top_k}: give 0 (off) or more")
-    if a.threads is not None and a.threads < 1:
-        raise UserError(f"--threads {a.threads}: give at least 1")
-
-
-def open_model(a):
-    import hybrid_npu
-
-    path = Path(a.model) if a.model else hybrid_npu.default_model()
-    if not path.is_dir():
-        raise UserError(f"model directory {path} does not exist; give an export-hybrid output directory")
-    return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory)
 
 
 def one_shot(conv, sampling, prompt: str, as_json: bool) -> None:
@@ -86,7 +66,7 @@ def main(argv=None) -> int:
         from .conversation import Conversation, Sampling
 
         check_args(a)
-        engine = open_model(a)
+        engine = open_model(a.model, a)
         conv = Conversation(engine, system=a.system, enable_thinking=a.think)
         sampling = Sampling(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                             top_p=a.top_p, seed=a.seed, speculative=False if a.no_speculative else None,

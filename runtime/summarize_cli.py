@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from hybrid_npu.cli_common import OneLineParser, byte_size
+from hybrid_npu.cli_common import OneLineParser
 from hybrid_npu.errors import UserError
 
-from .engine import CPU_DEVICE, PREFILL_MODES
+from .engine import CPU_DEVICE
+from .model_args import add_engine_arguments, check_engine_arguments, open_model
 
 INSTRUCTION = "Summarize the following document.\n\n"
 
@@ -35,35 +35,12 @@ def build_parser() -> OneLineParser:
     p.add_argument("file", help="the document (.pdf needs: pip install hybrid-npu[pdf])")
     p.add_argument("--model", help="an export-hybrid output directory (default: the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest summary in tokens (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, help="sampling seed")
-    p.add_argument("--profile", default="cpu", help="device profile name or TOML path (default: cpu)")
-    p.add_argument("--prefill", choices=PREFILL_MODES, default="auto", help="where the document is prefilled")
-    p.add_argument("--memory", type=byte_size, help="memory budget: bytes or e.g. 8G (default: the profile's)")
-    p.add_argument("--threads", type=int, help="CPU threads")
-    p.add_argument("--no-speculative", action="store_true", help="decode token by token even with a drafter")
+    add_engine_arguments(p, "where the document is prefilled")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {text, token_ids, document_tokens, stats}, no progress bar")
     p.add_argument("--quiet", action="store_true", help="nothing on stderr but errors")
     return p
-
-
-def check_args(a) -> None:
-    if a.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {a.max_new_tokens}: give at least 1")
-    if a.temperature < 0:
-        raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or more")
-    if a.threads is not None and a.threads < 1:
-        raise UserError(f"--threads {a.threads}: give at least 1")
-
-
-def open_model(a):
-    import hybrid_npu
-
-    path = Path(a.model) if a.model else hybrid_npu.default_model()
-    if not path.is_dir():
-        raise UserError(f"model directory {path} does not exist; give an export-hybrid output directory")
-    return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory)
 
 
 def prompt_ids(engine, document: str) -> list[int]:
@@ -168,9 +145,9 @@ def main(argv=None) -> int:
     try:
         from .documents import read_document
 
-        check_args(a)
+        check_engine_arguments(a)
         document = read_document(a.file)  # before the model loads: a bad file fails in a moment
-        engine = open_model(a)
+        engine = open_model(a.model, a)
         ids = prompt_ids(engine, document)
         check_fits(engine, len(ids), a.max_new_tokens, a.file)
         options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,

@@ -4,7 +4,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import sysconfig
 
 import numpy as np

@@ -10,7 +10,7 @@ import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.runtime import snapshot
 from hybrid_npu.runtime.engine import manifest_hash
-from hybrid_npu.runtime.snapshot import FORMAT, load_state, save_state
+from hybrid_npu.runtime.snapshot import FORMAT, load_state
 from hybrid_npu.runtime.state import KV_BLOCK
 
 

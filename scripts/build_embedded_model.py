@@ -1,0 +1,49 @@
+"""Put the trained default model into the package: export the target that train_target.py wrote
+and the drafter that train_drafter.py wrote (fp16 storage, compute fp32) into
+src/hybrid_npu/models/default/, and check the 40 MB ceiling.
+
+    python scripts/build_embedded_model.py TARGET_DIR DRAFTER_DIR
+
+The tiny model fits one NPU part, so no profile-specific graphs are needed: with an NPU profile
+the runtime compiles the prefill (and verify) graph for the HTP on first load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import hybrid_npu
+from hybrid_npu.export.exporter import export
+
+CEILING_BYTES = 40 * 2**20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", type=Path)
+    ap.add_argument("drafter", type=Path)
+    ap.add_argument("--out", type=Path, default=hybrid_npu.DEFAULT_MODEL)
+    args = ap.parse_args()
+    export(args.target, args.out, dtype="fp16", drafter=args.drafter, force=True, progress=print)
+    # training records travel with the model they describe (numbers quoted in the README)
+    training = {}
+    for name, d in (("target", args.target), ("drafter", args.drafter)):
+        f = d / "train_log.json"
+        if f.exists():
+            log = json.loads(f.read_text())
+            training[name] = {k: v for k, v in log.items() if not isinstance(v, (list, dict)) or k == "config"}
+    (args.out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
+    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
+    print(f"embedded model: {size / 2**20:.1f} MiB in {args.out}")
+    if size > CEILING_BYTES:
+        shutil.rmtree(args.out)
+        print(f"over the {CEILING_BYTES / 2**20:.0f} MiB ceiling; removed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

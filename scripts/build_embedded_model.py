@@ -34,7 +34,7 @@ def main() -> int:
         f = d / "train_log.json"
         if f.exists():
             log = json.loads(f.read_text())
-            training[name] = {k: v for k, v in log.items() if not isinstance(v, (list, dict)) or k == "config"}
+            training[name] = {k: v for k, v in log.items() if not isinstance(v, list)}  # no per-step curves
     (args.out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"embedded model: {size / 2**20:.1f} MiB in {args.out}")

@@ -1,0 +1,51 @@
+"""The embedded default model ships inside the installed package with its drafter, under the size
+ceiling, and is what the CLIs open when no model is given; speculation on it is lossless."""
+import json
+import subprocess
+import sys
+
+import hybrid_npu
+from hybrid_npu.runtime.chat_template import ChatTemplate
+
+CEILING = 40 * 2**20
+PROMPT = "Write a Python function that does this: Return the first line of a text file."
+
+
+def test_the_package_carries_the_model_and_its_drafter_under_40_mb():
+    root = hybrid_npu.default_model()  # raises (fails) when packaging dropped it
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert size <= CEILING, f"{size / 2**20:.1f} MiB"
+    manifest = json.loads((root / "model.json").read_text())
+    assert manifest["drafter"]["dir"] == "drafter" and "verify" in manifest["graphs"]
+    training = json.loads((root / "training.json").read_text())
+    assert training["target"]["held_out_perplexity"] > 1 and "eval_runtime" in training["drafter"]
+
+
+def rendered(engine, text):
+    template = ChatTemplate.from_export(engine.path)
+    return engine.tokenizer.encode(template.render([{"role": "user", "content": text}], enable_thinking=False),
+                                   add_special_tokens=False).ids
+
+
+def test_speculation_on_the_embedded_pair_is_lossless_and_accepts_drafts():
+    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
+    assert engine.drafter is not None
+    ids = rendered(engine, PROMPT)
+    fast = engine.generate(ids, 64, speculative=True, stop_at_eos=False)
+    stats = engine.last_stats
+    plain = engine.generate(ids, 64, speculative=False, stop_at_eos=False)
+    assert fast == plain
+    # a trained pair must beat a drafter that never agrees (acceptance length 1.0)
+    assert stats["acceptance_length"] > 1.3, stats
+
+
+def test_npu_chat_one_shot_json_uses_the_embedded_model_by_default():
+    r = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", "--prompt", PROMPT,
+                        "--max-new-tokens", "24", "--json", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
+    assert out["token_ids"] == engine.generate(rendered(engine, PROMPT), 24, speculative=False)
+    assert out["text"] == engine.tokenizer.decode(out["token_ids"])
+    assert out["stats"]["acceptance_length"] >= 1.0  # speculation is on by default with a drafter

@@ -84,7 +84,10 @@ class Engine:
         if drafter is not None and verify is None:
             raise UserError(f"{self.path} has no tree-verify graph for speculative decoding; re-export it with: "
                             f"export-hybrid SOURCE {self.path} --drafter DRAFTER")
-        self.draft_shape = {"top_k": 4, "depth": 6, "total_tokens": verify["n"] - 1} if verify else None
+        # EAGLE-2 tree shape (research/eagle3.md §1.6), unless the export records the shape measured
+        # best for its drafter (scripts/build_embedded_model.py does)
+        shape = self.manifest.get("drafter", {}).get("draft_shape", {"top_k": 4, "depth": 6, "total_tokens": 1 << 30})
+        self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify["n"] - 1)) if verify else None
         self.reset()
         self.last_stats: dict = {}
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}

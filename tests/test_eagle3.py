@@ -305,3 +305,13 @@ def test_with_exported_target(text_tied, tmp_path):
     emb = {**w, "embed_tokens.weight": target.load("embed_tokens.weight")}
     lg, _ = ref_layer(emb, ref_fc(w, taps), ids[1:] + [root], np.arange(n), np.tril(np.ones((n, n), bool)))
     close(dr._logits, lg[-1])
+
+
+def test_top_k_stable_is_the_stable_full_sort_prefix_with_ties():
+    from hybrid_npu.runtime.eagle3 import top_k_stable
+
+    rng = np.random.default_rng(0)
+    for shape, k in (((50,), 5), ((4, 300), 4), ((3, 7), 7), ((2, 9), 12)):
+        scores = rng.integers(0, 6, size=shape).astype(np.float32)  # many ties
+        want = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+        np.testing.assert_array_equal(top_k_stable(scores, k), want)

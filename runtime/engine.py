@@ -40,6 +40,24 @@ def manifest_hash(path: Path) -> str:
     return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
 
 
+class LazyPipelines(dict):
+    """Graph name -> Pipeline. Prefill and decode open at load (a broken export fails there); the
+    rest on first use: the verify graph only once speculation runs, since a quantised export's
+    session holds its own prepacked copy of the weights (0.8B int4: ~0.8 GB per session)."""
+
+    def __init__(self, open_one: Callable[[str], Pipeline], names, eager: tuple[str, ...]):
+        super().__init__()
+        self._open, self._names = open_one, set(names)
+        for name in eager:
+            self[name] = open_one(name)
+
+    def __missing__(self, name: str) -> Pipeline:
+        if name not in self._names:
+            raise KeyError(name)
+        self[name] = pipeline = self._open(name)
+        return pipeline
+
+
 class Engine:
     def __init__(self, path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None,
                  memory: int | None = None, drafter=None):
@@ -70,9 +88,12 @@ class Engine:
         quantized = self.manifest["weights"].get("mode", "float") != "float"
         if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not quantized:
             opts.add_session_config_entry("session.disable_prepacking", "1")
-        self.pipelines = {name: Pipeline([ort.InferenceSession(str(self.path / g["file"]), opts,
-                                                               providers=["CPUExecutionProvider"])], CPU_DEVICE)
-                          for name, g in self.manifest["graphs"].items()}
+        def open_cpu(name: str) -> Pipeline:
+            session = ort.InferenceSession(str(self.path / self.manifest["graphs"][name]["file"]), opts,
+                                           providers=["CPUExecutionProvider"])
+            return Pipeline([session], CPU_DEVICE)
+
+        self.pipelines = LazyPipelines(open_cpu, self.manifest["graphs"], eager=("prefill", "decode"))
         self.notice: str | None = None
         if self.profile.has_npu and prefill != "cpu":
             self._open_npu()

@@ -193,3 +193,13 @@ def test_an_export_without_a_verify_graph_still_loads_and_says_how_to_speculate(
     assert engine.drafter is None and engine.generate(PROMPT, 4)
     with pytest.raises(hybrid_npu.errors.UserError, match="no tree-verify graph.*--drafter"):
         hybrid_npu.load(old, drafter=RandomDrafter(320))
+
+
+def test_the_verify_session_opens_only_when_speculating(text_tied):
+    """A quantised export's session holds its own packed weights: no verify session unless used."""
+    engine = hybrid_npu.load(text_tied.out)
+    engine.generate(PROMPT, 4, speculative=False)
+    assert "verify" not in engine.pipelines and {"prefill", "decode"} <= set(engine.pipelines)
+    engine.drafter = RandomDrafter(320)
+    engine.generate(PROMPT, 8, stop_at_eos=False)
+    assert "verify" in engine.pipelines and engine.last_stats["rounds"] > 0

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from hybrid_npu.cli_common import OneLineParser
+from hybrid_npu.cli_common import OneLineParser, byte_size
 from hybrid_npu.errors import UserError
 
 
@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-context", type=int, metavar="N",
                    help="with an NPU --profile: the K/V capacity (T_max) its NPU graphs are built for, instead of "
                         "the profile's attention_capacity (rounded up to whole chunks)")
-    p.add_argument("--max-context-memory", metavar="SIZE",
+    p.add_argument("--max-context-memory", metavar="SIZE", type=byte_size,
                    help="memory (e.g. 8G) for the closing table's largest context (default: available memory now)")
     p.add_argument("--no-parity", action="store_true",
                    help="skip the closing check against the source weights and between prefill and decode")
@@ -97,7 +97,7 @@ def run(args, prog: str = "export-hybrid") -> int:
     """Export (or --check-npu) from parsed arguments; the exit code. prog names us in messages."""
     from hybrid_npu.export.exporter import export
     from hybrid_npu.export.parity import ParityError
-    from hybrid_npu.export.summary import parse_size, summary_lines
+    from hybrid_npu.export.summary import summary_lines
 
     t0 = time.perf_counter()
     say = (lambda m: None) if args.quiet else (lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}",
@@ -108,7 +108,6 @@ def run(args, prog: str = "export-hybrid") -> int:
             return _check_npu(args)
         if not args.source or not args.output:
             raise UserError("give SOURCE and OUTPUT directories (or --check-npu EXPORT --profile P)")
-        budget = parse_size(args.max_context_memory) if args.max_context_memory else None
         manifest = export(args.source, args.output, chunk=args.chunk, dtype=args.dtype, force=args.force,
                           profile=args.profile, compile_context=not args.no_compile, verify=args.verify,
                           drafter=args.drafter, progress=say, weights=args.weights, block_size=args.block_size,
@@ -123,7 +122,7 @@ def run(args, prog: str = "export-hybrid") -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; nothing was written", file=sys.stderr)
         return 130
-    print("\n".join(summary_lines(args.output, manifest, budget)))
+    print("\n".join(summary_lines(args.output, manifest, args.max_context_memory)))
     if parity:
         print(parity[0].line())
     return 0

@@ -8,35 +8,11 @@ here, or --no-compile) the table says how to check; it never compiles just to fi
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from hybrid_npu.cli_common import human_bytes as human
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.errors import UserError
 from hybrid_npu.runtime.memory import MARGIN_BYTES, plan_memory
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'8G', '8GiB', '8GB', '512M', '1073741824' -> bytes (binary units: the way RAM is sold)."""
-    m = _SIZE.fullmatch(str(text))
-    if not m:
-        raise UserError(f"--max-context-memory {text!r} is not a size; write it like 8G, 512M or 16GiB")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise UserError(f"--max-context-memory must be more than 0 bytes (got {text!r})")
-    return value
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
 
 def _tree_size(path: Path) -> tuple[int, int]:
     files = [f for f in path.rglob("*") if f.is_file()]

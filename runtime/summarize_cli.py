@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from hybrid_npu.cli_common import OneLineParser
+from hybrid_npu.cli_common import OneLineParser, human_bytes
 from hybrid_npu.errors import UserError
 
 from .engine import CPU_DEVICE
@@ -62,11 +62,7 @@ def check_fits(engine, n_prompt: int, max_new_tokens: int, source) -> None:
     if n_prompt + max_new_tokens > report["max_context"]:
         raise UserError(f"{source} is {n_prompt} tokens with the prompt; with --max-new-tokens {max_new_tokens} "
                         f"that exceeds the {report['max_context']}-token context the memory plan allows "
-                        f"(budget {_size(report['budget_bytes'])}); raise --memory or summarize a smaller file")
-
-
-def _size(n_bytes: int) -> str:
-    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+                        f"(budget {human_bytes(report['budget_bytes'])}); raise --memory or summarize a smaller file")
 
 
 def prefill_device(engine, n_tokens: int) -> str:

@@ -17,7 +17,7 @@ from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.parity import check_parity
-from hybrid_npu.export.summary import human, parse_size
+from hybrid_npu.cli_common import byte_size, human_bytes as human
 
 
 def test_export_hybrid_cli_then_api(tmp_path):
@@ -116,7 +116,7 @@ def test_failed_parity_exits_1_and_writes_nothing(text_tied, tmp_path, monkeypat
 @pytest.mark.parametrize("flags,needles", [
     (["--max-context", "0"], ["--max-context must be a positive"]),
     (["--max-context", "64"], ["give an NPU --profile"]),
-    (["--max-context-memory", "lots"], ["--max-context-memory 'lots'", "8G"]),
+    (["--max-context-memory", "lots"], ["--max-context-memory: 'lots'", "8G"]),
     (["--max-context", "many"], ["--max-context", "invalid int"]),
 ])
 def test_bad_max_context_flags(text_tied, tmp_path, flags, needles, capsys):
@@ -130,9 +130,9 @@ def test_bad_max_context_flags(text_tied, tmp_path, flags, needles, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_parse_size():
-    assert parse_size("8G") == parse_size("8GiB") == 8 * 2**30
-    assert parse_size("512m") == 512 * 2**20 and parse_size("1000") == 1000 and parse_size("1.5K") == 1536
+def test_byte_size():
+    assert byte_size("8G") == byte_size("8GiB") == 8 * 2**30
+    assert byte_size("512m") == 512 * 2**20 and byte_size("1000") == 1000 and byte_size("1.5K") == 1536
 
 
 def test_max_context_beyond_the_model_is_refused(text_tied, htp_profile, tmp_path):

@@ -23,3 +23,12 @@ def byte_size(text: str) -> int:
     if not m or float(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; give bytes or e.g. 8G, 512M")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': sizes as the CLIs print them (binary units, like byte_size reads them)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError

@@ -74,6 +74,34 @@ class StreamDecoder:
         return piece
 
 
+def require_tokenizer(engine) -> None:
+    if engine.tokenizer is None:
+        raise UserError(f"{engine.path} has no tokenizer.json; re-export from a checkpoint that has one")
+
+
+def encode_turns(engine, template: ChatTemplate, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    """The messages rendered by the template (ending in the assistant's cue), as token ids."""
+    text = template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+    return engine.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def generate_streamed(engine, ids: list[int], max_new_tokens: int, on_text: Callable[[str], None] | None = None,
+                      **generate_kw) -> list[int]:
+    """engine.generate, with the reply handed to on_text in whole characters as it is decoded."""
+    stream = StreamDecoder(engine.tokenizer)
+
+    def on_token(token: int) -> None:
+        piece = stream.push(token)
+        if piece and on_text:
+            on_text(piece)
+
+    new = engine.generate(ids, max_new_tokens, on_token=on_token, **generate_kw)
+    tail = stream.flush()
+    if tail and on_text:
+        on_text(tail)
+    return new
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -90,8 +118,7 @@ def sidecar(path) -> Path:
 class Conversation:
     def __init__(self, engine, template: ChatTemplate | None = None, system: str | None = None,
                  enable_thinking: bool | None = None):
-        if engine.tokenizer is None:
-            raise UserError(f"{engine.path} has no tokenizer.json; re-export from a checkpoint that has one")
+        require_tokenizer(engine)
         self.engine = engine
         self.template = template or ChatTemplate.from_export(engine.path)
         if enable_thinking is not None and not self.template.has_thinking_switch:
@@ -120,8 +147,7 @@ class Conversation:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation rendered by the template (ending in the assistant's cue), as token ids."""
-        text = self.template.render(messages, add_generation_prompt=True, enable_thinking=self.enable_thinking)
-        return self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_turns(self.engine, self.template, messages, self.enable_thinking)
 
     # ---------------------------------------------------------------- a turn
     def reply(self, user_text: str, sampling: Sampling, on_text: Callable[[str], None] | None = None,
@@ -131,20 +157,10 @@ class Conversation:
         messages = self.messages + [{"role": "user", "content": user_text}]
         full = self.prompt_ids(messages)
         rest = remaining(self.engine.context_ids(), full)
-        stream = StreamDecoder(self.engine.tokenizer)
-
-        def on_token(token: int) -> None:
-            piece = stream.push(token)
-            if piece and on_text:
-                on_text(piece)
-
-        ids = self.engine.generate(full if rest is None else rest, sampling.max_new_tokens,
-                                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                   seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, on_token=on_token,
-                                   append=rest is not None, speculative=sampling.speculative, should_stop=should_stop)
-        tail = stream.flush()
-        if tail and on_text:
-            on_text(tail)
+        ids = generate_streamed(self.engine, full if rest is None else rest, sampling.max_new_tokens, on_text,
+                                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, append=rest is not None,
+                                speculative=sampling.speculative, should_stop=should_stop)
         text = self.engine.tokenizer.decode(ids)
         self.messages = messages + [{"role": "assistant", "content": text}]
         return Reply(text, ids, bool(should_stop and should_stop()),

@@ -47,13 +47,12 @@ def prompt_ids(engine, document: str) -> list[int]:
     """One user turn, INSTRUCTION + document, rendered by the export's chat template up to the
     assistant's cue, thinking off where the template can switch it."""
     from .chat_template import ChatTemplate
+    from .conversation import encode_turns, require_tokenizer
 
-    if engine.tokenizer is None:
-        raise UserError(f"{engine.path} has no tokenizer.json; re-export from a checkpoint that has one")
+    require_tokenizer(engine)
     template = ChatTemplate.from_export(engine.path)
-    text = template.render([{"role": "user", "content": INSTRUCTION + document}], add_generation_prompt=True,
-                           enable_thinking=False if template.has_thinking_switch else None)
-    return engine.tokenizer.encode(text, add_special_tokens=False).ids
+    return encode_turns(engine, template, [{"role": "user", "content": INSTRUCTION + document}],
+                        False if template.has_thinking_switch else None)
 
 
 def check_fits(engine, n_prompt: int, max_new_tokens: int, source) -> None:
@@ -104,20 +103,10 @@ class RateColumn(ProgressColumn):
 def summarize(engine, ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
               speculative: bool | None = None, on_text=None, progress=None) -> dict:
     """Prefill the prompt, decode the summary (streamed to on_text in whole characters)."""
-    from .conversation import StreamDecoder
+    from .conversation import generate_streamed
 
-    stream = StreamDecoder(engine.tokenizer)
-
-    def on_token(token: int) -> None:
-        piece = stream.push(token)
-        if piece and on_text:
-            on_text(piece)
-
-    new = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed, on_token=on_token,
-                          progress=progress, speculative=speculative)
-    tail = stream.flush()
-    if tail and on_text:
-        on_text(tail)
+    new = generate_streamed(engine, ids, max_new_tokens, on_text, temperature=temperature, seed=seed,
+                            progress=progress, speculative=speculative)
     return {"text": engine.tokenizer.decode(new), "token_ids": new, "document_tokens": len(ids),
             "stats": dict(engine.last_stats)}
 

@@ -19,12 +19,11 @@ def main() -> int:
     args = ap.parse_args()
     import hybrid_npu
     from hybrid_npu.runtime.chat_template import ChatTemplate
+    from hybrid_npu.runtime.conversation import encode_turns
 
     engine = hybrid_npu.load(hybrid_npu.default_model())
-    template = ChatTemplate.from_export(engine.path)
-    text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                           enable_thinking=False)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False).ids
+    ids = encode_turns(engine, ChatTemplate.from_export(engine.path), [{"role": "user", "content": args.prompt}],
+                       enable_thinking=False)
     fast = engine.generate(ids, args.max_new_tokens, speculative=True)
     stats = engine.last_stats
     plain = engine.generate(ids, args.max_new_tokens, speculative=False)

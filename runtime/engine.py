@@ -211,6 +211,10 @@ class Engine:
         return ("npu_prefill" in self.pipelines
                 and self.state.position + self.chunk <= self.profile.attention_capacity)
 
+    def prefill_device(self, n_tokens: int) -> str:
+        """The device a prefill of n_tokens is sent to (known before its first chunk, for progress)."""
+        return NPU_DEVICE if self._wants_npu(n_tokens) else CPU_DEVICE
+
     def _wants_npu(self, n_tokens: int) -> bool:
         if "npu_prefill" not in self.pipelines:
             return False

@@ -23,7 +23,6 @@ from rich.text import Text
 from hybrid_npu.cli_common import OneLineParser, human_bytes
 from hybrid_npu.errors import UserError
 
-from .engine import CPU_DEVICE
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
 
 INSTRUCTION = "Summarize the following document.\n\n"
@@ -62,13 +61,6 @@ def check_fits(engine, n_prompt: int, max_new_tokens: int, source) -> None:
         raise UserError(f"{source} is {n_prompt} tokens with the prompt; with --max-new-tokens {max_new_tokens} "
                         f"that exceeds the {report['max_context']}-token context the memory plan allows "
                         f"(budget {human_bytes(report['budget_bytes'])}); raise --memory or summarize a smaller file")
-
-
-def prefill_device(engine, n_tokens: int) -> str:
-    """Where Engine.prefill starts these tokens (its own rule), known before the first chunk."""
-    from .npu_sessions import NPU_DEVICE
-
-    return NPU_DEVICE if engine._wants_npu(n_tokens) else CPU_DEVICE
 
 
 class PrefillBar:
@@ -146,7 +138,7 @@ def main(argv=None) -> int:
             summarize(engine, ids, on_text=_show, **options)
             print()
             return 0
-        with PrefillBar(len(ids), prefill_device(engine, len(ids))) as bar:
+        with PrefillBar(len(ids), engine.prefill_device(len(ids))) as bar:
             result = summarize(engine, ids, on_text=_show, progress=bar, **options)
         print()
         print(stats_line(result["stats"]), file=sys.stderr)

@@ -20,6 +20,7 @@ from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 
 from hybrid_npu.profiles.loader import load_profile
+from hybrid_npu.runtime.npu_sessions import NPU_GRAPHS
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint
 from .context_binaries import compile_contexts
@@ -153,14 +154,13 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
     specs = graph_specs(chunk, verify)
-    parts = []
+    parts, npu_graphs = [], []  # the NPU's layer ranges; the graphs cut along them (prefill, verify)
     if prof is not None and prof.has_npu:
         parts = plan_parts(cfg, prof.part_weight_bytes, htp_itemsize(prof))
-        for k, (a, b) in enumerate(parts):
-            specs[f"prefill.{prof.name}.part{k}"] = StepSpec(n=chunk, first_layer=a, end_layer=b)
-            if prof.verify_device == "npu":  # the same layer ranges in tree mode
-                specs[f"verify.{prof.name}.part{k}"] = StepSpec(n=verify, first_layer=a, end_layer=b, tree=True,
-                                                                all_logits=True)
+        npu_graphs = ["prefill"] + (["verify"] if prof.verify_device == "npu" else [])
+        for graph in npu_graphs:
+            for k, (a, b) in enumerate(parts):
+                specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(specs[graph], first_layer=a, end_layer=b)
         say(f"profile {prof.name}: {len(parts)} NPU part(s), layers {parts}")
     builders = {name: build_step_graph(cfg, plan, spec, name) for name, spec in specs.items()}
     say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")
@@ -176,18 +176,14 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
         say(f"wrote {path.name}: {len(model.graph.node)} nodes")
     npu = {}
     if parts:
-        part_entries = [{**graphs.pop(f"prefill.{prof.name}.part{k}"), "layers": [a, b]}
-                        for k, (a, b) in enumerate(parts)]
-        context = compile_contexts(tmp, [p["file"] for p in part_entries], prof, chunk, say) if compile_context else None
-        npu[prof.name] = {"parts": part_entries, "attention_capacity": prof.attention_capacity, "chunk": chunk,
-                          "max_context": max_context,
-                          "profile": prof.to_dict(), "context": context}
-        if prof.verify_device == "npu":
-            verify_entries = [{**graphs.pop(f"verify.{prof.name}.part{k}"), "layers": [a, b]}
-                              for k, (a, b) in enumerate(parts)]
-            npu[prof.name]["verify_parts"] = verify_entries
-            npu[prof.name]["verify_context"] = compile_contexts(
-                tmp, [p["file"] for p in verify_entries], prof, verify, say) if compile_context else None
+        entry = npu[prof.name] = {"attention_capacity": prof.attention_capacity, "chunk": chunk,
+                                  "max_context": max_context, "profile": prof.to_dict()}
+        for graph in npu_graphs:
+            parts_key, context_key = NPU_GRAPHS[graph]  # where the runtime looks them up
+            entries = [{**graphs.pop(f"{graph}.{prof.name}.part{k}"), "layers": [a, b]} for k, (a, b) in enumerate(parts)]
+            entry[parts_key] = entries
+            entry[context_key] = compile_contexts(tmp, [p["file"] for p in entries], prof, specs[graph].n,
+                                                  say) if compile_context else None
     tokenizer_files = []
     for f in TOKENIZER_FILES:
         if (ck.path / f).exists():

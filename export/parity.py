@@ -22,6 +22,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from hybrid_npu.config import ModelConfig
+from hybrid_npu.runtime.pipeline import cpu_session
 from hybrid_npu.runtime.state import State
 from hybrid_npu.runtime.step_inputs import chain_feed, commit_chain
 
@@ -144,14 +145,6 @@ def check_weights(export_dir: Path, manifest: dict, report: ParityReport) -> Non
 
 # ---------------------------------------------------------------- graphs
 
-def _session(path: Path, manifest: dict) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    if manifest["weights"].get("mode", "float") == "float":  # as the engine: quantised graphs need prepacking
-        opts.add_session_config_entry("session.disable_prepacking", "1")
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
 def _advance(session: ort.InferenceSession, cfg: ModelConfig, state: State, ids: list[int], n: int) -> np.ndarray:
     names = [o.name for o in session.get_outputs()]
     wanted = {i.name for i in session.get_inputs()}
@@ -177,9 +170,9 @@ def check_graphs(export_dir: Path, manifest: dict, report: ParityReport) -> None
     k = report.tokens = min(TOKENS, graphs["prefill"]["n"])
     ids = [(1 + 7919 * i) % cfg.vocab_size for i in range(k)]  # fixed, spread over the vocabulary
     chunked, stepped = State.fresh(cfg), State.fresh(cfg)
-    prefill_logits = _advance(_session(export_dir / graphs["prefill"]["file"], manifest), cfg, chunked, ids,
+    prefill_logits = _advance(cpu_session(export_dir / graphs["prefill"]["file"], manifest), cfg, chunked, ids,
                               graphs["prefill"]["n"])
-    decode = _session(export_dir / graphs["decode"]["file"], manifest)
+    decode = cpu_session(export_dir / graphs["decode"]["file"], manifest)
     for t in ids:
         decode_logits = _advance(decode, cfg, stepped, [t], 1)
     if not (np.isfinite(prefill_logits).all() and np.isfinite(decode_logits).all()):

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import onnxruntime as ort
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
@@ -23,7 +21,7 @@ from hybrid_npu.profiles.loader import load_profile
 
 from .memory import plan_memory
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
-from .pipeline import Pipeline
+from .pipeline import Pipeline, cpu_session
 from .qnn import NpuUnavailable
 from .sampling import choose
 from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
@@ -73,25 +71,9 @@ class Engine:
         self.chunk = int(self.manifest["chunk"])
         self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max
         self.prefill_mode = prefill
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
-        # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
-        # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
-        # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.
-        # No arena: a long prefill's attention scratch (scores over the whole context) goes back to
-        # the system after each call instead of staying reserved as the context grows.
-        opts.enable_cpu_mem_arena = False
-        # Quantised exports must prepack: MatMulNBits without it dequantises all of B on every call
-        # (measured 15x slower); each session then holds its own packed copy.
-        quantized = self.manifest["weights"].get("mode", "float") != "float"
-        if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not quantized:
-            opts.add_session_config_entry("session.disable_prepacking", "1")
         def open_cpu(name: str) -> Pipeline:
-            session = ort.InferenceSession(str(self.path / self.manifest["graphs"][name]["file"]), opts,
-                                           providers=["CPUExecutionProvider"])
-            return Pipeline([session], CPU_DEVICE)
+            return Pipeline([cpu_session(self.path / self.manifest["graphs"][name]["file"], self.manifest, threads)],
+                            CPU_DEVICE)
 
         self.pipelines = LazyPipelines(open_cpu, self.manifest["graphs"], eager=("prefill", "decode"))
         self.notice: str | None = None

@@ -3,8 +3,31 @@ hidden state handed from part to part. Each session gets only the inputs it decl
 of all parts merge into one dict (each part returns only its own layers' state)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnxruntime as ort
+
+
+
+def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
+    """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
+    # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
+    # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
+    # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.
+    # No arena: a long prefill's attention scratch (scores over the whole context) goes back to
+    # the system after each call instead of staying reserved as the context grows.
+    opts.enable_cpu_mem_arena = False
+    # Quantised exports must prepack: MatMulNBits without it dequantises all of B on every call
+    # (measured 15x slower); each session then holds its own packed copy.
+    quantized = manifest["weights"].get("mode", "float") != "float"
+    if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not quantized:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 class Pipeline:

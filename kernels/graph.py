@@ -65,7 +65,7 @@ class GraphBuilder:
     # ---- nodes ----
     def op(self, op_type: str, *inputs: str, n_out: int = 1, **attrs):
         outs = [self.fresh(op_type.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))  # named: tools (quantizer, QNN reports) address nodes by name
         return outs[0] if n_out == 1 else outs
 
     def reshape(self, x: str, shape) -> str:

@@ -7,7 +7,7 @@ Runtime only, no torch:
    skipped with a count (their bound is the quantiser's to test).
 2. graphs: the prefill graph over K tokens against K calls of the decode graph from the same
    empty state: last logits finite and within LOGITS_ATOL, and the state they leave within
-   STATE_ATOL (two code paths, one model). Both tolerances scale with the largest magnitude
+   STATE_ATOL (two code paths, one model; QUANTISED_ATOL for quantised weights). Both tolerances scale with the largest magnitude
    compared when it exceeds 1: fp32 rounding is relative, and trained logits reach tens.
 """
 from __future__ import annotations
@@ -30,6 +30,10 @@ from .checkpoint import expected_shapes, read_checkpoint
 
 LOGITS_ATOL = 1e-3
 STATE_ATOL = 1e-3
+# Quantised exports: MatMulNBits at accuracy_level 4 also rounds its input rows to int8 per block,
+# and its one-row (decode) and many-row (prefill) kernels round them differently: measured 0.4% of
+# the logit scale apart on the embedded model at int8 (1e-6 at int4), so 2% is the bound.
+QUANTISED_ATOL = 2e-2
 TOKENS = 5                   # prefill tokens compared with as many decode steps
 MAX_REREAD = 1 << 26         # elements: larger tensors (a real embedding) are not re-read here
 
@@ -180,8 +184,9 @@ def check_graphs(export_dir: Path, manifest: dict, report: ParityReport) -> None
         return
     report.logits_diff = float(np.abs(prefill_logits - decode_logits).max())
     report.state_diff, state_scale = _state_diff(chunked, stepped)
-    logits_tol = LOGITS_ATOL * max(1.0, float(np.abs(decode_logits).max()))
-    state_tol = STATE_ATOL * max(1.0, state_scale)
+    quantised = manifest["weights"].get("mode", "float") != "float"
+    logits_tol = (QUANTISED_ATOL if quantised else LOGITS_ATOL) * max(1.0, float(np.abs(decode_logits).max()))
+    state_tol = (QUANTISED_ATOL if quantised else STATE_ATOL) * max(1.0, state_scale)
     if report.logits_diff > logits_tol:
         report.problems.append(f"prefill and decode logits differ by {report.logits_diff:.3g} (> {logits_tol:.3g})")
     if report.state_diff > state_tol:

@@ -2,6 +2,7 @@
 
     export-hybrid SRC OUT [--profile P] [--chunk C] [--dtype fp32|fp16] [--force]
                           [--weights int8|int4 [--block-size 32] [--asymmetric]]
+                          [--calibration TEXT_FILE | --npu-quant nbits]   (quantised + NPU profile)
     export-hybrid --check-npu OUT --profile P      (prove every NPU graph places on the HTP)
 
 Progress goes to stderr (--quiet: none); stdout gets the closing table and, last, the parity line
@@ -34,9 +35,16 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"],
                    help="stored weight dtype (fp16 halves the files; compute stays fp32)")
     p.add_argument("--weights", choices=["float", "int8", "int4"],
-                   help="int8/int4: block-quantise every linear layer (MatMulNBits, CPU only; default float)")
+                   help="int8/int4: quantise every linear layer (CPU: block-wise MatMulNBits; with an NPU "
+                        "--profile also the NPU graphs, see --calibration; default float)")
     p.add_argument("--block-size", type=int, help="with --weights: weights per quantisation block (default 32)")
     p.add_argument("--asymmetric", action="store_true", help="with --weights: a zero point per block")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="with --weights and an NPU --profile: UTF-8 text the NPU graphs' activation ranges are "
+                        "measured on (w8a16/w4a16 QDQ; the first 4096 tokens are used)")
+    p.add_argument("--npu-quant", choices=["qdq", "nbits"],
+                   help="with --weights and an NPU --profile: qdq (default; needs --calibration) or nbits (the "
+                        "CPU's MatMulNBits weights on the HTP, fp16 activations, no calibration)")
     p.add_argument("--drafter", help="an EAGLE-3 drafter checkpoint directory (official/SpecForge or speculators "
                                      "layout) to export beside the model; speculation is then on by default")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
@@ -111,7 +119,8 @@ def run(args, prog: str = "export-hybrid") -> int:
         manifest = export(args.source, args.output, chunk=args.chunk, dtype=args.dtype, force=args.force,
                           profile=args.profile, compile_context=not args.no_compile, verify=args.verify,
                           drafter=args.drafter, progress=say, weights=args.weights, block_size=args.block_size,
-                          asymmetric=args.asymmetric, max_context=args.max_context,
+                          asymmetric=args.asymmetric, max_context=args.max_context, npu_quant=args.npu_quant,
+                          calibration=args.calibration,
                           check=None if args.no_parity else lambda d, m: _parity(d, m, parity))
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

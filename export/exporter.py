@@ -27,6 +27,7 @@ from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
 from .manifest import FORMAT, MANIFEST, is_export, value_infos
 from .parts import htp_itemsize, plan_parts
+from .qdq import NPU_QUANT_MODES, quantize_parts, read_calibration
 from .quantize import quant_spec
 from .step_graph import StepSpec, build_step_graph
 from .weights import WeightPlan
@@ -71,12 +72,14 @@ def _prepare_out(out: Path, force: bool) -> None:
 def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bool = False, profile=None,
            compile_context: bool = True, verify: int | None = None, drafter=None,
            progress: Callable[[str], None] | None = None, weights: str = "float", block_size: int | None = None,
-           asymmetric: bool = False, max_context: int | None = None,
-           check: Callable[[Path, dict], None] | None = None) -> dict:
+           asymmetric: bool = False, max_context: int | None = None, npu_quant: str | None = None,
+           calibration=None, check: Callable[[Path, dict], None] | None = None) -> dict:
     """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
     HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries.
-    weights int8/int4: every linear layer block-quantised (export/quantize.py), CPU graphs only;
-    dtype then applies to what stays float. The drafter stays float.
+    weights int8/int4: every linear layer block-quantised for the CPU (export/quantize.py); dtype
+    then applies to what stays float. The drafter stays float. With an NPU profile the NPU parts
+    are quantised too: npu_quant "qdq" (default; w8a16/w4a16 calibrated on the text file
+    `calibration`, export/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
     max_context: the NPU graphs' K/V capacity T_max instead of the profile's (whole chunks).
     check(dir, manifest): runs on the finished export before it is moved into place (parity);
     whatever it raises leaves nothing written."""
@@ -91,11 +94,10 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     quant = quant_spec(weights, block_size, asymmetric)
-    if quant is not None and prof is not None and prof.has_npu:
-        raise UserError(f"--weights {quant.mode} is CPU-only for now; the HTP path uses QDQ (not yet): "
-                        "drop --profile or --weights")
+    npu_quant = npu_quant_mode(quant, prof, npu_quant, calibration)
     say = progress or (lambda msg: None)
     ck = read_checkpoint(src)
+    calib = read_calibration(calibration, ck.path / "tokenizer.json") if npu_quant == "qdq" else None
     dck = read_drafter(drafter, ck.config, lambda: ck.load("embed_tokens.weight")) if drafter is not None else None
     _prepare_out(out, force)
     capacity, note = npu_capacity(prof, max_context, chunk, ck.config)
@@ -107,7 +109,8 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context, quant, max_context)
+        manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context, quant, max_context,
+                                 npu_quant, calib)
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
@@ -123,6 +126,27 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def npu_quant_mode(quant, prof, npu_quant: str | None, calibration) -> str | None:
+    """How the NPU parts of a quantised export are quantised (None: float parts, or no NPU)."""
+    npu = prof is not None and prof.has_npu
+    if npu_quant is not None and npu_quant not in NPU_QUANT_MODES:
+        raise UserError(f"--npu-quant {npu_quant!r} is not supported; choose one of {', '.join(NPU_QUANT_MODES)}")
+    if quant is None or not npu:
+        if calibration is not None or npu_quant is not None:
+            flag = "--calibration" if calibration is not None else "--npu-quant"
+            raise UserError(f"{flag} applies to the NPU graphs of a quantised export: add --weights int8|int4 "
+                            "and an NPU --profile (e.g. --profile snapdragon-x-elite)")
+        return None
+    mode = npu_quant or "qdq"
+    if mode == "qdq" and calibration is None:
+        raise UserError(f"--weights {quant.mode} with NPU profile {prof.name} quantises the NPU graphs too "
+                        f"(w{quant.bits}a16), calibrated on your text: add --calibration FILE (a few thousand tokens "
+                        "like what the model will read), or --npu-quant nbits for uncalibrated MatMulNBits")
+    if mode == "nbits" and calibration is not None:
+        raise UserError("--calibration calibrates the QDQ graphs; drop it with --npu-quant nbits")
+    return mode
 
 
 def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) -> tuple[int | None, str | None]:
@@ -147,37 +171,63 @@ def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) ->
 
 
 def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str, say, prof,
-                  compile_context: bool, quant=None, max_context: int | None = None) -> dict:
+                  compile_context: bool, quant=None, max_context: int | None = None, npu_quant: str | None = None,
+                  calib: tuple[list[int], dict] | None = None) -> dict:
     cfg = ck.config
     plan = WeightPlan(ck.load, DTYPES[dtype], quant)
+    # QDQ parts start as fp32 graphs in the quantiser's layout, written aside and quantised into graphs/
+    npu_plan = WeightPlan(ck.load, np.float32, quantizable=True) if npu_quant == "qdq" else plan
     graphs_dir = tmp / "graphs"
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
     specs = graph_specs(chunk, verify)
     parts, npu_graphs = [], []  # the NPU's layer ranges; the graphs cut along them (prefill, verify)
     if prof is not None and prof.has_npu:
-        parts = plan_parts(cfg, prof.part_weight_bytes, htp_itemsize(prof))
+        parts = plan_parts(cfg, prof.part_weight_bytes, 1 if quant is not None else htp_itemsize(prof))
         npu_graphs = ["prefill"] + (["verify"] if prof.verify_device == "npu" else [])
         for graph in npu_graphs:
             for k, (a, b) in enumerate(parts):
-                specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(specs[graph], first_layer=a, end_layer=b)
+                specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(specs[graph], first_layer=a, end_layer=b,
+                                                                                    npu=True)
         say(f"profile {prof.name}: {len(parts)} NPU part(s), layers {parts}")
-    builders = {name: build_step_graph(cfg, plan, spec, name) for name, spec in specs.items()}
+    part_names = {name for name, spec in specs.items() if name not in graph_specs(chunk, verify)}
+    builders = {name: build_step_graph(cfg, npu_plan if name in part_names else plan, spec, name)
+                for name, spec in specs.items()}
     say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")
     placements = plan.write(graphs_dir / WEIGHTS_FILE)
+    qdq_dir = tmp / ".qdq-float"  # the float parts the quantiser starts from; removed once it is done
+    if npu_plan is not plan:
+        qdq_dir.mkdir()
+        npu_placements = npu_plan.write(qdq_dir / WEIGHTS_FILE)
     graphs = {}
     for name, gb in builders.items():
-        model = gb.model(placements)
-        path = graphs_dir / f"{name}.onnx"
+        aside = npu_plan is not plan and name in part_names
+        model = gb.model(npu_placements if aside else placements)
+        path = (qdq_dir if aside else graphs_dir) / f"{name}.onnx"
         onnx.save_model(model, path)
         onnx.checker.check_model(str(path))
         graphs[name] = {"file": f"graphs/{name}.onnx", "n": specs[name].n, "nodes": len(model.graph.node),
                         "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
-        say(f"wrote {path.name}: {len(model.graph.node)} nodes")
+        if not aside:
+            say(f"wrote {path.name}: {len(model.graph.node)} nodes")
+    qdq = None
+    if npu_plan is not plan:
+        ids, source = calib
+        say(f"calibrating the NPU parts on {source['file']} ({source['tokens']} tokens)")
+        for graph in npu_graphs:
+            names = [f"{graph}.{prof.name}.part{k}" for k in range(len(parts))]
+            qdq = quantize_parts(cfg, [qdq_dir / f"{nm}.onnx" for nm in names], [graphs_dir / f"{nm}.onnx" for nm in names],
+                                 ids, specs[graph].n, specs[graph].tree, quant.bits, say)
+            for nm in names:
+                graphs[nm]["nodes"] = len(onnx.load(str(graphs_dir / f"{nm}.onnx"), load_external_data=False).graph.node)
+        qdq["calibration"] = source
+        shutil.rmtree(qdq_dir)
     npu = {}
     if parts:
         entry = npu[prof.name] = {"attention_capacity": prof.attention_capacity, "chunk": chunk,
-                                  "max_context": max_context, "profile": prof.to_dict()}
+                                  "max_context": max_context, "profile": prof.to_dict(),
+                                  "weights": qdq or ({"method": "nbits", **quant.to_manifest()} if quant else
+                                                     {"method": "float"})}
         for graph in npu_graphs:
             parts_key, context_key = NPU_GRAPHS[graph]  # where the runtime looks them up
             entries = [{**graphs.pop(f"{graph}.{prof.name}.part{k}"), "layers": [a, b]} for k, (a, b) in enumerate(parts)]

@@ -46,6 +46,7 @@ class StepSpec:
     end_layer: int | None = None  # exclusive; None = all layers
     tree: bool = False
     all_logits: bool = False     # logits for every token (verify) or only last_index (prefill/decode)
+    npu: bool = False            # an NPU part: the HTP's MatMulNBits takes only 3-D inputs
 
     def layers(self, cfg: ModelConfig) -> range:
         return range(self.first_layer, cfg.num_layers if self.end_layer is None else self.end_layer)
@@ -76,9 +77,11 @@ class _Builder:
             y = self.g.op("Gemm", x, self.w(self.plan.linear_weight(name, sources, in_dim, out_dims)), transB=1)
         else:
             ql = plan_quantized_linear(self.plan, name, sources, in_dim, out_dims, bits or q.bits, q)
-            y = self.g.matmul_nbits(x, self.declare(ql.b), self.declare(ql.scales),
+            x3 = self.g.unsqueeze(x, [0]) if self.spec.npu else x  # "Unsupported input A rank, expecting 3D"
+            y = self.g.matmul_nbits(x3, self.declare(ql.b), self.declare(ql.scales),
                                     self.declare(ql.zero_points) if ql.zero_points else None,
                                     k=ql.k, n=ql.n, bits=ql.bits, block_size=ql.block_size)
+            y = self.g.op("Squeeze", y, self.g.ints([0])) if self.spec.npu else y
         return [y] if len(out_dims) == 1 else self.g.split(y, out_dims, axis=-1)
 
     def norm1p(self, x: str, src: str, size: int) -> str:
@@ -148,7 +151,7 @@ class _Builder:
         hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                              c.linear_value_head_dim, c.linear_conv_kernel_dim)
         sources = [a + s + ".weight" for s in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
-        if self.plan.quant is None:
+        if not self.plan.quantizable:
             qkv, z, b, a_in = self.linear(h, a + "in_proj_all", sources, c.hidden_size, [c.conv_dim, hv * dv, hv, hv])
         else:  # b and a stay float: they set beta and the decay that the recurrent state compounds every
             # token, and they are tiny (2·Hv rows)
@@ -206,9 +209,10 @@ class _Builder:
             x = g.op("Gather", x, g.input("last_index", np.int64, [1]), axis=0)
         h = self.norm1p(x, "norm.weight", c.hidden_size)
         rows = n if self.spec.all_logits else 1
-        if self.plan.quant is not None:  # an int8 head (an untied copy when tied): QuantSpec.head_bits
+        if self.plan.quantizable:  # its own copy when tied; int8 under MatMulNBits (QuantSpec.head_bits)
             src = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-            logits = self.linear(h, "lm_head", [src], c.hidden_size, [c.vocab_size], bits=self.plan.quant.head_bits)[0]
+            bits = self.plan.quant.head_bits if self.plan.quant is not None else None
+            logits = self.linear(h, "lm_head", [src], c.hidden_size, [c.vocab_size], bits=bits)[0]
         elif c.tie_word_embeddings:  # gotcha 6: tie explicitly to the embedding table
             table = self.w(self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size)))
             logits = g.op("Gemm", h, table, transB=1)

@@ -26,10 +26,15 @@ class StoredWeight:
 
 
 class WeightPlan:
-    def __init__(self, load: Callable[[str], np.ndarray], matrix_dtype=np.float32, quant=None):
+    def __init__(self, load: Callable[[str], np.ndarray], matrix_dtype=np.float32, quant=None,
+                 quantizable: bool = False):
         self.load = load  # canonical checkpoint name -> array (HF orientation)
         self.matrix_dtype = np.dtype(matrix_dtype)
         self.quant = quant  # export.quantize.QuantSpec: linear layers as MatMulNBits; None = float
+        # The layout a quantiser needs: GDN gate projections (b, a) apart from the big in_proj and
+        # an untied lm_head, so both can stay float / get their own precision. Float graphs keep
+        # the fused forms (one call, the table shared) unless they are headed for QDQ (export/qdq.py).
+        self.quantizable = quant is not None or quantizable
         self.table_dtype = np.dtype(quant.embedding_dtype) if quant is not None else self.matrix_dtype
         self.entries: dict[str, StoredWeight] = {}
 

@@ -9,7 +9,6 @@ import numpy as np
 import onnxruntime as ort
 
 
-
 def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
     """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
     opts = ort.SessionOptions()
@@ -36,11 +35,15 @@ class Pipeline:
         self._inputs = [{i.name for i in s.get_inputs()} for s in sessions]
         self._outputs = [[o.name for o in s.get_outputs()] for s in sessions]
 
-    def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feed: dict[str, np.ndarray], on_part=None) -> dict[str, np.ndarray]:
+        """on_part(i, inputs): sees what part i is fed (the QDQ calibration records it)."""
         out: dict[str, np.ndarray] = {}
         feed = dict(feed)
-        for session, wanted, names in zip(self.sessions, self._inputs, self._outputs):
-            result = dict(zip(names, session.run(names, {k: v for k, v in feed.items() if k in wanted})))
+        for i, (session, wanted, names) in enumerate(zip(self.sessions, self._inputs, self._outputs)):
+            inputs = {k: v for k, v in feed.items() if k in wanted}
+            if on_part is not None:
+                on_part(i, inputs)
+            result = dict(zip(names, session.run(names, inputs)))
             if "hidden_out" in result:
                 feed["hidden_in"] = result.pop("hidden_out")
             out.update(result)

@@ -1,0 +1,136 @@
+"""The HTP's quantised path: the NPU graph parts in QDQ form, 16-bit activations with 8- or 4-bit
+weights (w8a16 / w4a16), calibrated on text the user gives (export-hybrid --weights int8|int4
+--profile P --calibration FILE).
+
+What is quantised: every linear layer (a Gemm over a stored matrix): its weights per output
+channel, symmetric (int8, or int4 with the lm_head kept at int8 as on the CPU path), its input and
+output activations uint16 with ranges measured by running the calibration text through the float
+parts on the CPU, exactly as the NPU would be fed (chunks of C, or chain-shaped trees for verify).
+What stays float (fp16 on the HTP): the GDN gate projections b/a, the conv, the delta-rule state
+path, norms, attention and the embedding gather. The recurrent state compounds every token, so
+an error there grows with the context instead of staying per token. The formats are the ones
+research/htp-probe.md §6 ran on the HTP emulator (get_qnn_qdq_config, u16 activations).
+
+The quantiser is ONNX Runtime's own (onnxruntime.quantization: get_qnn_qdq_config + quantize);
+this module only supplies the calibration data and says which nodes to leave alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import onnx
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.errors import UserError
+
+NPU_QUANT_MODES = ("qdq", "nbits")
+# Enough text for stable activation ranges (MinMax over every position), bounded so calibration
+# stays a small part of an export: 32 chunks of 128.
+MAX_CALIBRATION_TOKENS = 4096
+ACTIVATIONS = "uint16"
+
+
+def read_calibration(path, tokenizer_file: Path) -> tuple[list[int], dict]:
+    """The calibration text as token ids (at most MAX_CALIBRATION_TOKENS) and what to record of it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--calibration {path}: no such file; give a UTF-8 text file of the kind of text "
+                        "the model will read (a few thousand tokens is enough)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"--calibration {path} is not UTF-8 text; convert it (e.g. a .txt or .md file)") from None
+    if not text.strip():
+        raise UserError(f"--calibration {path} is empty; give a file with text in it")
+    if not tokenizer_file.exists():
+        raise UserError(f"--calibration needs the checkpoint's tokenizer.json, which {tokenizer_file.parent} lacks")
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tokenizer_file)).encode(text).ids[:MAX_CALIBRATION_TOKENS]
+    return ids, {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "tokens": len(ids)}
+
+
+def calibration_steps(cfg: ModelConfig, ids: list[int], n: int, tree: bool) -> Iterator[tuple[dict, callable]]:
+    """(feed, commit) for each n-token step over ids from an empty context: chain steps (prefill)
+    or chain-shaped trees (verify, every node committed); commit(outputs) advances the state."""
+    from hybrid_npu.runtime.speculative import Tree, commit_path, tree_feed
+    from hybrid_npu.runtime.state import State
+    from hybrid_npu.runtime.step_inputs import chain_feed, commit_chain
+
+    state = State.fresh(cfg)
+    for s in range(0, len(ids), n):
+        chunk = list(ids[s: s + n])
+        state.ensure_capacity(state.position + n)
+        if tree:
+            t, real = Tree.from_draft(chunk[0], chunk[1:], list(range(-1, len(chunk) - 2)), n)
+            yield tree_feed(cfg, state, t), (lambda out, t=t, real=real:
+                                             commit_path(state, out, t, list(range(real)), cfg.linear_conv_kernel_dim))
+        else:
+            yield chain_feed(cfg, state, chunk, n), lambda out, chunk=chunk: commit_chain(state, out, chunk)
+
+
+def part_inputs(cfg: ModelConfig, pipe, ids: list[int], n: int, tree: bool, part: int) -> Iterator[dict]:
+    """What NPU part `part` is fed at each step: the float parts (pipe) run in order on the CPU."""
+    for feed, commit in calibration_steps(cfg, ids, n, tree):
+        seen: dict = {}
+        out = pipe.run(feed, on_part=lambda i, inputs: seen.update(inputs) if i == part else None)
+        yield {k: np.array(v) for k, v in seen.items()}  # copies: commit writes K/V rows in place
+        commit(out)
+
+
+class _Reader:
+    """onnxruntime.quantization's CalibrationDataReader protocol over an iterator of feeds."""
+
+    def __init__(self, feeds: Iterator[dict]):
+        self.feeds = feeds
+
+    def get_next(self) -> dict | None:
+        return next(self.feeds, None)
+
+
+# Stored matrices whose Gemm stays float (step_graph: WeightPlan.quantizable): the GDN gates b/a
+FLOAT_LINEARS = (".in_proj_ba",)
+HEAD = "lm_head"
+
+
+def quantize_parts(cfg: ModelConfig, float_files: list[Path], out_files: list[Path], ids: list[int], n: int,
+                   tree: bool, bits: int, say=lambda m: None) -> dict:
+    """Quantise each float part into its QDQ twin (out_files, each with its own .data file)."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    from hybrid_npu.runtime.pipeline import Pipeline
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    pipe = Pipeline([ort.InferenceSession(str(f), opts, providers=["CPUExecutionProvider"]) for f in float_files], "CPU")
+    weight_type = {8: QuantType.QInt8, 4: QuantType.QInt4}[bits]
+    quiet = logging.getLogger()
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the quantiser's "consider pre-processing" advice is not the user's business
+    try:
+        for k, (src, dst) in enumerate(zip(float_files, out_files)):
+            graph = onnx.load(str(src), load_external_data=False).graph
+            stored = {t.name for t in graph.initializer}
+            linears = [nd for nd in graph.node if nd.op_type == "Gemm" and nd.input[1] in stored]
+            keep_float = [nd.name for nd in linears if nd.input[1].endswith(FLOAT_LINEARS)]
+            overrides = {HEAD: [{"quant_type": QuantType.QInt8, "symmetric": True}]} if bits == 4 and HEAD in stored else None
+            config = get_qnn_qdq_config(str(src), _Reader(part_inputs(cfg, pipe, ids, n, tree, k)),
+                                        activation_type=QuantType.QUInt16, weight_type=weight_type, per_channel=True,
+                                        weight_symmetric=True, init_overrides=overrides, op_types_to_quantize=["Gemm"],
+                                        nodes_to_exclude=keep_float)
+            config.use_external_data_format = True
+            quantize(str(src), str(dst), config)
+            say(f"quantised {dst.name}: {len(linears) - len(keep_float)} linear layers w{bits}a16, "
+                f"{len(keep_float)} kept float")
+    finally:
+        quiet.setLevel(level)
+    return {"method": "qdq", "activations": ACTIVATIONS, "weights": f"int{bits}", "per_channel": True,
+            "symmetric": True, "head_weights": "int8" if bits == 4 else f"int{bits}",
+            "float": ["GDN gate projections b/a", "conv", "delta-rule state path", "norms", "attention",
+                      "embedding gather"]}

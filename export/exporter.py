@@ -98,6 +98,8 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     say = progress or (lambda msg: None)
     ck = read_checkpoint(src)
     calib = read_calibration(calibration, ck.path / "tokenizer.json") if npu_quant == "qdq" else None
+    if npu_quant == "nbits":
+        _check_nbits_widths(ck.config, quant.block_size)
     dck = read_drafter(drafter, ck.config, lambda: ck.load("embed_tokens.weight")) if drafter is not None else None
     _prepare_out(out, force)
     capacity, note = npu_capacity(prof, max_context, chunk, ck.config)
@@ -147,6 +149,19 @@ def npu_quant_mode(quant, prof, npu_quant: str | None, calibration) -> str | Non
     if mode == "nbits" and calibration is not None:
         raise UserError("--calibration calibrates the QDQ graphs; drop it with --npu-quant nbits")
     return mode
+
+
+def _check_nbits_widths(cfg: ModelConfig, block: int) -> None:
+    """The HTP's MatMulNBits refuses "K must be divisible by block_size" (the CPU pads the last block)."""
+    widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "GDN value width": cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+              "attention width": cfg.num_attention_heads * cfg.head_dim}
+    bad = {name: k for name, k in widths.items() if k % block}
+    if bad:
+        name, k = next(iter(bad.items()))
+        raise UserError(f"--npu-quant nbits: the HTP's MatMulNBits needs every input width divisible by the block "
+                        f"size, and {name} {k} is not divisible by {block}; pick a --block-size that divides it "
+                        "or use --npu-quant qdq --calibration FILE")
 
 
 def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) -> tuple[int | None, str | None]:

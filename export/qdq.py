@@ -54,14 +54,16 @@ def read_calibration(path, tokenizer_file: Path) -> tuple[list[int], dict]:
     return ids, {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "tokens": len(ids)}
 
 
-def calibration_steps(cfg: ModelConfig, ids: list[int], n: int, tree: bool) -> Iterator[tuple[dict, callable]]:
+def calibration_steps(cfg: ModelConfig, ids: list[int], n: int, tree: bool,
+                      capacity: int | None = None) -> Iterator[tuple[dict, callable]]:
     """(feed, commit) for each n-token step over ids from an empty context: chain steps (prefill)
-    or chain-shaped trees (verify, every node committed); commit(outputs) advances the state."""
+    or chain-shaped trees (verify, every node committed); commit(outputs) advances the state.
+    capacity: K/V rows from the start (an NPU graph reads exactly T_max), else grown as needed."""
     from hybrid_npu.runtime.speculative import Tree, commit_path, tree_feed
     from hybrid_npu.runtime.state import State
     from hybrid_npu.runtime.step_inputs import chain_feed, commit_chain
 
-    state = State.fresh(cfg)
+    state = State.fresh(cfg) if capacity is None else State.fresh(cfg, capacity)
     for s in range(0, len(ids), n):
         chunk = list(ids[s: s + n])
         state.ensure_capacity(state.position + n)

@@ -1,10 +1,16 @@
 """Accuracy of quantised exports on a trained model: held-out perplexity of the float, int8 and
 int4 exports (our runtime, decode graph, teacher-forced) and their top-1 agreement with float.
 
-    python scripts/eval_quantized.py TARGET_CHECKPOINT [--positions 2048] [--out JSON]
+    python scripts/eval_quantized.py TARGET_CHECKPOINT [--positions 2048] [--htp] [--out JSON]
 
 Held-out text: the held-out code documents of scripts/stdlib_corpus.py, in windows of --window
 tokens (each window from a fresh state), until --positions predictions are scored.
+
+--htp adds the NPU rows, run on onnxruntime-qnn's HTP emulator with CPU fallback off: the
+float graphs in fp16, QDQ w8a16 and w4a16 (calibrated on the corpus' training documents, never
+the held-out ones), and MatMulNBits int8/int4 on the HTP. They are scored through the NPU
+tree-verify parts fed chain-shaped trees of --tree tokens (the one NPU graph with logits for every
+token), at the same positions as the CPU rows; top-1 agreement is with the CPU fp32 row.
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
 
 MODES = {"fp32": {}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"}}
+HTP_MODES = {"htp-fp16": {}, "htp-qdq-w8a16": {"weights": "int8", "calibration": True},
+             "htp-qdq-w4a16": {"weights": "int4", "calibration": True},
+             "htp-nbits-int8": {"weights": "int8", "npu_quant": "nbits"},
+             "htp-nbits-int4": {"weights": "int4", "npu_quant": "nbits"}}
 
 
 def windows(tokenizer, positions: int, window: int) -> list[list[int]]:
@@ -50,12 +60,62 @@ def score(engine, wins) -> tuple[float, list[int]]:
     return nll / len(argmax), argmax
 
 
+def score_htp(path: Path, profile, wins) -> tuple[float, list[int]]:
+    """Teacher-forced through the NPU verify parts: each window in chain-shaped trees from a fresh
+    state of exactly T_max K/V rows (the shape the HTP graphs were compiled for)."""
+    from hybrid_npu.config import ModelConfig
+    from hybrid_npu.export.qdq import calibration_steps
+    from hybrid_npu.runtime.npu_sessions import open_npu_pipeline
+
+    manifest = json.loads((path / "model.json").read_text())
+    cfg, n = ModelConfig.from_dict(manifest["config"]), manifest["graphs"]["verify"]["n"]
+    pipe = open_npu_pipeline(path, manifest, profile, "verify")
+    nll, argmax = 0.0, []
+    for w in wins:
+        inputs, targets = w[:-1], w[1:]
+        for s, (feed, commit) in zip(range(0, len(inputs), n),
+                                     calibration_steps(cfg, inputs, n, True, profile.attention_capacity)):
+            out = pipe.run(feed)
+            commit(out)
+            for row, nxt in zip(out["logits"][: len(inputs[s: s + n])].astype(np.float64), targets[s: s + n]):
+                m = row.max()
+                nll += m + math.log(np.exp(row - m).sum()) - row[nxt]
+                argmax.append(int(row.argmax()))
+    return nll / len(argmax), argmax
+
+
+def htp_profile(tmp: Path, window: int, tree: int):
+    """The X Elite profile, verifying on the NPU with --tree nodes, T_max just over a window."""
+    import re
+
+    from hybrid_npu.profiles.loader import load_profile
+
+    text = load_profile("snapdragon-x-elite").source.read_text()
+    t_max = -(-(window + tree) // 128) * 128
+    for key, value in (("name", '"eval-htp"'), ("verify_device", '"npu"'), ("verify_tree_size", str(tree)),
+                       ("attention_capacity", str(t_max)), ("graph_finalization", "1")):
+        text = re.sub(rf"(?m)^{key}\s*=\s*\S+", f"{key} = {value}", text)
+    path = tmp / "eval-htp.toml"
+    path.write_text(text)
+    return load_profile(str(path))
+
+
+def calibration_file(tmp: Path, chars: int = 200_000) -> Path:
+    docs = sorted((d for d in stdlib_corpus.documents() if not d.held_out and d.kind == "code"), key=lambda d: d.name)
+    path = tmp / "calibration.txt"
+    path.write_text("\n\n".join(d.text for d in docs)[:chars], encoding="utf-8")
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", type=Path)
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--htp", action="store_true", help="also the NPU rows, on the HTP emulator (slow)")
+    ap.add_argument("--tree", type=int, default=32, help="verify tree size of the NPU rows")
+    ap.add_argument("--only-htp", action="store_true", help="skip the CPU int8/int4 rows (fp32 is the reference)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     import hybrid_npu
@@ -63,14 +123,28 @@ def main() -> int:
 
     result = {"target": str(args.target), "positions": args.positions, "window": args.window, "modes": {}}
     reference = None
+    modes = {"fp32": {}} if args.only_htp else dict(MODES)
+    if args.htp or args.only_htp:
+        modes.update(HTP_MODES)
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, kw in MODES.items():
-            out = Path(tmp) / mode
+        tmp = Path(tmp)
+        prof = htp_profile(tmp, args.window, args.tree) if len(modes) > len(MODES) or args.only_htp else None
+        for mode, kw in modes.items():
+            out = tmp / mode
+            if mode.startswith("htp-"):
+                kw = dict(kw, profile=str(prof.source), verify=args.tree, compile_context=False, dtype="fp16")
+                if kw.pop("calibration", False):
+                    kw["calibration"] = calibration_file(tmp)
+                result.setdefault("htp_profile", prof.to_dict())
             manifest = export(args.target, out, **kw)
-            engine = hybrid_npu.load(out, threads=args.threads)
+            engine = hybrid_npu.load(out, threads=args.threads, prefill="cpu")
             wins = windows(engine.tokenizer, args.positions, args.window)
-            mean_nll, top1 = score(engine, wins)
+            mean_nll, top1 = score_htp(out, prof, wins) if mode.startswith("htp-") else score(engine, wins)
             row = {"perplexity": round(math.exp(mean_nll), 3), "weights_bytes": manifest["weights"]["bytes"]}
+            if mode.startswith("htp-"):
+                row["npu_weights"] = {k: v for k, v in manifest["npu"][prof.name]["weights"].items() if k != "float"}
+                qdq_data = list((out / "graphs").glob("*.onnx.data"))  # QDQ parts carry their own weights
+                row["npu_weights_bytes"] = sum(f.stat().st_size for f in qdq_data) or row["weights_bytes"]
             if reference is None:
                 reference = (mean_nll, top1)
             else:

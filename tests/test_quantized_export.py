@@ -293,7 +293,7 @@ def test_weights_file_is_the_quantised_size(text_tied, quantized, mode, bits):
     (["--weights", "int8", "--block-size", "8"], "power of two"),
     (["--block-size", "32"], "add --weights"),
     (["--asymmetric"], "add --weights"),
-    (["--weights", "int4", "--profile", "snapdragon-x-elite"], "CPU-only for now"),
+    (["--weights", "int4", "--profile", "snapdragon-x-elite"], "add --calibration FILE"),
 ])
 def test_bad_quantisation_flags_exit_2_in_one_line(text_tied, tmp_path, capsys, flags, says):
     code = export_cli([str(text_tied.src), str(tmp_path / "out"), "--quiet", *flags])

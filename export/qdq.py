@@ -99,39 +99,45 @@ FLOAT_LINEARS = (".in_proj_ba",)
 HEAD = "lm_head"
 
 
-def quantize_parts(cfg: ModelConfig, float_files: list[Path], out_files: list[Path], ids: list[int], n: int,
-                   tree: bool, bits: int, say=lambda m: None) -> dict:
-    """Quantise each float part into its QDQ twin (out_files, each with its own .data file)."""
-    import onnxruntime as ort
+def quantize_graph(src: Path, dst: Path, feeds: Iterator[dict], bits: int) -> tuple[int, int]:
+    """One float graph -> its QDQ twin (dst + dst.data), activation ranges from `feeds`.
+    Returns (linear layers quantised, kept float)."""
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    graph = onnx.load(str(src), load_external_data=False).graph
+    stored = {t.name for t in graph.initializer}
+    linears = [nd for nd in graph.node if nd.op_type == "Gemm" and nd.input[1] in stored]
+    keep_float = [nd.name for nd in linears if nd.input[1].endswith(FLOAT_LINEARS)]
+    overrides = {HEAD: [{"quant_type": QuantType.QInt8, "symmetric": True}]} if bits == 4 and HEAD in stored else None
+    config = get_qnn_qdq_config(str(src), _Reader(feeds), activation_type=QuantType.QUInt16,
+                                weight_type={8: QuantType.QInt8, 4: QuantType.QInt4}[bits], per_channel=True,
+                                weight_symmetric=True, init_overrides=overrides, op_types_to_quantize=["Gemm"],
+                                nodes_to_exclude=keep_float)
+    config.use_external_data_format = True
+    quiet = logging.getLogger()
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the quantiser's "consider pre-processing" advice is not the user's business
+    try:
+        quantize(str(src), str(dst), config)
+    finally:
+        quiet.setLevel(level)
+    return len(linears) - len(keep_float), len(keep_float)
+
+
+def quantize_parts(cfg: ModelConfig, float_files: list[Path], out_files: list[Path], ids: list[int], n: int,
+                   tree: bool, bits: int, say=lambda m: None) -> dict:
+    """Quantise each float part into its QDQ twin, calibrated on what it is fed over `ids`."""
+    import onnxruntime as ort
 
     from hybrid_npu.runtime.pipeline import Pipeline
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     pipe = Pipeline([ort.InferenceSession(str(f), opts, providers=["CPUExecutionProvider"]) for f in float_files], "CPU")
-    weight_type = {8: QuantType.QInt8, 4: QuantType.QInt4}[bits]
-    quiet = logging.getLogger()
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # the quantiser's "consider pre-processing" advice is not the user's business
-    try:
-        for k, (src, dst) in enumerate(zip(float_files, out_files)):
-            graph = onnx.load(str(src), load_external_data=False).graph
-            stored = {t.name for t in graph.initializer}
-            linears = [nd for nd in graph.node if nd.op_type == "Gemm" and nd.input[1] in stored]
-            keep_float = [nd.name for nd in linears if nd.input[1].endswith(FLOAT_LINEARS)]
-            overrides = {HEAD: [{"quant_type": QuantType.QInt8, "symmetric": True}]} if bits == 4 and HEAD in stored else None
-            config = get_qnn_qdq_config(str(src), _Reader(part_inputs(cfg, pipe, ids, n, tree, k)),
-                                        activation_type=QuantType.QUInt16, weight_type=weight_type, per_channel=True,
-                                        weight_symmetric=True, init_overrides=overrides, op_types_to_quantize=["Gemm"],
-                                        nodes_to_exclude=keep_float)
-            config.use_external_data_format = True
-            quantize(str(src), str(dst), config)
-            say(f"quantised {dst.name}: {len(linears) - len(keep_float)} linear layers w{bits}a16, "
-                f"{len(keep_float)} kept float")
-    finally:
-        quiet.setLevel(level)
+    for k, (src, dst) in enumerate(zip(float_files, out_files)):
+        done, kept = quantize_graph(src, dst, part_inputs(cfg, pipe, ids, n, tree, k), bits)
+        say(f"quantised {dst.name}: {done} linear layers w{bits}a16, {kept} kept float")
     return {"method": "qdq", "activations": ACTIVATIONS, "weights": f"int{bits}", "per_channel": True,
             "symmetric": True, "head_weights": "int8" if bits == 4 else f"int{bits}",
             "float": ["GDN gate projections b/a", "conv", "delta-rule state path", "norms", "attention",

@@ -31,8 +31,9 @@ def random_source(cfg: ModelConfig, seed: int = 0):
     return load
 
 
-def write_graph(cfg: ModelConfig, spec: StepSpec, out_dir: Path, name: str) -> Path:
-    plan = WeightPlan(random_source(cfg))
+def write_graph(cfg: ModelConfig, spec: StepSpec, out_dir: Path, name: str, quantizable: bool = False) -> Path:
+    """quantizable: the layout export/qdq.py quantises (gates apart, untied head)."""
+    plan = WeightPlan(random_source(cfg), quantizable=quantizable)
     g = build_step_graph(cfg, plan, spec, name)
     out_dir.mkdir(parents=True, exist_ok=True)
     placements = plan.write(out_dir / f"{name}.weights.bin")

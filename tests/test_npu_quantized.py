@@ -211,3 +211,44 @@ def test_bad_quantisation_flags_get_one_line_and_exit_2(flags, says, text_tied, 
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], proc.stderr
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- real size
+def _random_feeds(path, free_dims, count=2):
+    """Inputs of the graph's declared shapes (free dims as given): activation ranges only need to
+    be plausible for a placement check."""
+    rng = np.random.default_rng(0)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for _ in range(count):
+        feed = {}
+        for i in session.get_inputs():
+            shape = [free_dims.get(d, d) if isinstance(d, str) else d for d in i.shape]
+            feed[i.name] = (np.zeros(shape, np.float32) if i.name == "attn_mask"
+                            else rng.standard_normal(shape).astype(np.float32))
+        yield feed
+
+
+@pytest.mark.parametrize("name, bits", [("gdn_layer", 8), ("attention_layer", 4)])
+def test_real_qwen35_08b_qdq_layers_place_entirely_on_the_htp(name, bits, tmp_path):
+    """A real Qwen3.5-0.8B GDN layer (w8a16) and attention layer (w4a16) in QDQ form, at the shipped
+    X Elite profile's T_max, CPU fallback disabled: the quantised path keeps 100% HTP coverage."""
+    from real_size import qwen35_text_config, write_graph
+    from test_npu_export import REAL_GRAPHS
+
+    from hybrid_npu.export.npu_check import compile_on_npu
+    from hybrid_npu.export.qdq import quantize_graph
+    from hybrid_npu.profiles.loader import load_profile
+    from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM
+
+    cfg, spec = qwen35_text_config("0.8B"), REAL_GRAPHS[name]
+    src = write_graph(cfg, spec, tmp_path / "float", name, quantizable=True)
+    dst = tmp_path / f"{name}.qdq.onnx"
+    done, kept = quantize_graph(src, dst, _random_feeds(src, {PAST_DIM: 16, MASK_DIM: 16 + spec.n}), bits)
+    assert done == 4 and kept == (1 if name == "gdn_layer" else 0)  # qkvz or qkv, out/o_proj, gate_up, down; ba float
+    prof = load_profile("snapdragon-x-elite")
+    t = prof.attention_capacity
+    r = compile_on_npu(dst, {**prof.qnn_provider_options(), "htp_graph_finalization_optimization_mode": "1"},
+                       {PAST_DIM: t, MASK_DIM: t + spec.n})
+    print(f"\n{name} w{bits}a16: {r['nodes']} nodes, {r['on_htp']} on HTP, compile {r.get('compile_s')} s")
+    assert r["ok"], r
+    assert r["on_htp"] == r["nodes"]

@@ -122,6 +122,9 @@ def quantize_graph(src: Path, dst: Path, feeds: Iterator[dict], bits: int) -> tu
         quantize(str(src), str(dst), config)
     finally:
         quiet.setLevel(level)
+    data = dst.with_name(dst.name + ".data")
+    if data.exists():  # onnx writes external data owner-only; the export's other files follow the umask
+        data.chmod(dst.stat().st_mode & 0o777)
     return len(linears) - len(keep_float), len(keep_float)
 
 

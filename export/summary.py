@@ -31,6 +31,10 @@ def _file_rows(out: Path, manifest: dict) -> list[tuple[str, int, str]]:
             rows.append((part["file"], (out / part["file"]).stat().st_size, note))
         for part in npu.get("verify_parts", []):
             rows.append((part["file"], (out / part["file"]).stat().st_size, "NPU verify part"))
+        for part in npu["parts"] + npu.get("verify_parts", []):  # QDQ parts carry their own weights
+            data = out / (part["file"] + ".data")
+            if data.exists():
+                rows.append((data.relative_to(out).as_posix(), data.stat().st_size, "its QDQ weights"))
     rows.append((manifest["weights"]["file"], (out / manifest["weights"]["file"]).stat().st_size, ""))
     for name in manifest.get("npu", {}):
         ctx_dir = out / "ctx" / name
@@ -76,6 +80,13 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
         why = f"--max-context {npu['max_context']}" if npu.get("max_context") else "the profile's"
         facts.append((f"NPU {name}", f"{len(npu['parts'])} part(s), T_max {npu['attention_capacity']:,} tokens "
                                      f"({why}), chunk {npu['chunk']}"))
+        q = npu.get("weights", {})
+        if q.get("method") == "qdq":
+            c = q["calibration"]
+            facts.append(("NPU weights", f"QDQ w{q['weights'][3:]}a16 ({q['weights']} per channel, {q['activations']} "
+                                         f"activations), calibrated on {c['file']} ({c['tokens']:,} tokens)"))
+        elif q.get("method") == "nbits":
+            facts.append(("NPU weights", f"MatMulNBits {q['mode']} (the CPU graphs' weights), fp16 activations"))
     if manifest.get("drafter"):
         facts.append(("drafter", f"{manifest['drafter']['dir']}/: speculation on by default"))
     key_width = max(len(k) for k, _ in facts)

@@ -61,6 +61,18 @@ def test_qdq_manifest_records_the_scheme_and_the_calibration_text(qdq8, calib):
     assert manifest["npu"]["test-htp"]["context"]["files"]  # compiled with CPU fallback off = 100% on the HTP
 
 
+def test_closing_table_names_the_npu_weights_and_their_file(qdq8, calib):
+    from hybrid_npu.export.summary import summary_lines
+
+    out, manifest = qdq8
+    text = "\n".join(summary_lines(out, manifest))
+    assert f"QDQ w8a16 (int8 per channel, uint16 activations), calibrated on {calib.name}" in text
+    data = _part(out, manifest).name + ".data"
+    assert data in text and "its QDQ weights" in text
+    import os
+    assert os.access(_part(out, manifest).with_name(data), os.R_OK)
+
+
 def test_qdq_part_quantises_the_linear_layers_and_keeps_the_state_path_float(qdq8):
     out, manifest = qdq8
     types, graph = _initializer_types(_part(out, manifest))

@@ -285,6 +285,22 @@ def test_weights_file_is_the_quantised_size(text_tied, quantized, mode, bits):
     assert file_bytes < float_file * {8: 0.5, 4: 0.35}[bits]
 
 
+def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
+    """The engine's memory plan counts the quantised weights file, so the same budget holds more
+    context than the fp32 export's."""
+    import hybrid_npu
+
+    fp32 = hybrid_npu.load(text_tied.out)
+    budget = fp32.memory_report()["weights_bytes"] + fp32.memory_report()["state_bytes"] + (1 << 20)
+    plans = {}
+    for mode in ("float", "int8", "int4"):
+        path = text_tied.out if mode == "float" else quantized / mode
+        report = hybrid_npu.load(path, memory=budget).memory_report()
+        assert report["weights_bytes"] == (path / "graphs" / "weights.bin").stat().st_size
+        plans[mode] = report["max_context"]
+    assert plans["float"] < plans["int8"] < plans["int4"]
+
+
 # ---------------------------------------------------------------- bad flags: one line, exit 2
 @pytest.mark.parametrize("flags,says", [
     (["--weights", "int3"], "invalid choice"),

@@ -96,7 +96,7 @@ class _Builder:
         if spec.first_layer == 0:
             ids = g.input("input_ids", np.int64, [n])
             table = self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size))
-            if self.plan.quant is None:
+            if not self.plan.quantizable:
                 x = g.op("Gather", self.w(table), ids, axis=0)
             else:  # gather the fp16 rows, then widen: the table is never widened (nor read) whole
                 x = g.op("Cast", g.op("Gather", self.declare(table), ids, axis=0), to=onnx.TensorProto.FLOAT)

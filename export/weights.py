@@ -35,7 +35,10 @@ class WeightPlan:
         # an untied lm_head, so both can stay float / get their own precision. Float graphs keep
         # the fused forms (one call, the table shared) unless they are headed for QDQ (export/qdq.py).
         self.quantizable = quant is not None or quantizable
-        self.table_dtype = np.dtype(quant.embedding_dtype) if quant is not None else self.matrix_dtype
+        # A quantised model's embedding is only gathered (its head is a separate matrix), so it is
+        # stored fp16 and widened row by row: the HTP holds it in fp16 anyway.
+        self.table_dtype = (np.dtype(quant.embedding_dtype) if quant is not None else
+                            np.dtype(np.float16) if quantizable else self.matrix_dtype)
         self.entries: dict[str, StoredWeight] = {}
 
     def add(self, name: str, shape, make: Callable[[], np.ndarray], dtype=np.float32, params: int | None = None) -> str:

@@ -79,6 +79,7 @@ def test_qdq_part_quantises_the_linear_layers_and_keeps_the_state_path_float(qdq
     produced_by = {o: n for n in graph.node for o in n.output}
     linears = [n for n in graph.node if n.op_type == "Gemm"]
     assert len(linears) > 8
+    assert types["embed_tokens.weight"] == TensorProto.FLOAT16  # gathered, then widened row by row
     gates = [n for n in linears if n.input[1].endswith(".in_proj_ba")]
     assert gates and all(types[n.input[1]] == TensorProto.FLOAT for n in gates)  # b/a stay float
     others = [n for n in linears if n not in gates]

@@ -185,6 +185,22 @@ def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) ->
     return t_max, note
 
 
+def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, graphs: dict, npu_specs: dict,
+                        part_suffixes: list[str], bits: int, calib: tuple[list[int], dict], say) -> dict:
+    """The float NPU parts in float_dir -> their QDQ twins in graphs_dir (export/qdq.py), calibrated
+    per graph (prefill chunks, verify trees); float_dir is removed. Returns the manifest entry."""
+    ids, source = calib
+    say(f"calibrating the NPU parts on {source['file']} ({source['tokens']} tokens)")
+    for graph, spec in npu_specs.items():
+        names = [graph + suffix for suffix in part_suffixes]
+        qdq = quantize_parts(cfg, [float_dir / f"{nm}.onnx" for nm in names], [graphs_dir / f"{nm}.onnx" for nm in names],
+                             ids, spec.n, spec.tree, bits, say)
+        for nm in names:
+            graphs[nm]["nodes"] = len(onnx.load(str(graphs_dir / f"{nm}.onnx"), load_external_data=False).graph.node)
+    shutil.rmtree(float_dir)
+    return {**qdq, "calibration": source}
+
+
 def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str, say, prof,
                   compile_context: bool, quant=None, max_context: int | None = None, npu_quant: str | None = None,
                   calib: tuple[list[int], dict] | None = None) -> dict:
@@ -227,16 +243,8 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
             say(f"wrote {path.name}: {len(model.graph.node)} nodes")
     qdq = None
     if npu_plan is not plan:
-        ids, source = calib
-        say(f"calibrating the NPU parts on {source['file']} ({source['tokens']} tokens)")
-        for graph in npu_graphs:
-            names = [f"{graph}.{prof.name}.part{k}" for k in range(len(parts))]
-            qdq = quantize_parts(cfg, [qdq_dir / f"{nm}.onnx" for nm in names], [graphs_dir / f"{nm}.onnx" for nm in names],
-                                 ids, specs[graph].n, specs[graph].tree, quant.bits, say)
-            for nm in names:
-                graphs[nm]["nodes"] = len(onnx.load(str(graphs_dir / f"{nm}.onnx"), load_external_data=False).graph.node)
-        qdq["calibration"] = source
-        shutil.rmtree(qdq_dir)
+        qdq = _quantize_npu_parts(cfg, qdq_dir, graphs_dir, graphs, {g: specs[g] for g in npu_graphs},
+                                  [f".{prof.name}.part{k}" for k in range(len(parts))], quant.bits, calib, say)
     npu = {}
     if parts:
         entry = npu[prof.name] = {"attention_capacity": prof.attention_capacity, "chunk": chunk,

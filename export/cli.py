@@ -39,6 +39,8 @@ def add_arguments(p) -> None:
                         "--profile also the NPU graphs, see --calibration; default float)")
     p.add_argument("--block-size", type=int, help="with --weights: weights per quantisation block (default 32)")
     p.add_argument("--asymmetric", action="store_true", help="with --weights: a zero point per block")
+    p.add_argument("--head-bits", type=int, choices=[8, 4],
+                   help="with --weights: the lm_head's bits (default 8; 4 halves the largest single matrix)")
     p.add_argument("--calibration", metavar="FILE",
                    help="with --weights and an NPU --profile: UTF-8 text the NPU graphs' activation ranges are "
                         "measured on (w8a16/w4a16 QDQ; the first 4096 tokens are used)")
@@ -120,7 +122,7 @@ def run(args, prog: str = "export-hybrid") -> int:
                           profile=args.profile, compile_context=not args.no_compile, verify=args.verify,
                           drafter=args.drafter, progress=say, weights=args.weights, block_size=args.block_size,
                           asymmetric=args.asymmetric, max_context=args.max_context, npu_quant=args.npu_quant,
-                          calibration=args.calibration,
+                          calibration=args.calibration, head_bits=args.head_bits,
                           check=None if args.no_parity else lambda d, m: _parity(d, m, parity))
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

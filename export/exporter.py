@@ -73,7 +73,7 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
            compile_context: bool = True, verify: int | None = None, drafter=None,
            progress: Callable[[str], None] | None = None, weights: str = "float", block_size: int | None = None,
            asymmetric: bool = False, max_context: int | None = None, npu_quant: str | None = None,
-           calibration=None, check: Callable[[Path, dict], None] | None = None) -> dict:
+           calibration=None, head_bits: int | None = None, check: Callable[[Path, dict], None] | None = None) -> dict:
     """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
     HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries.
     weights int8/int4: every linear layer block-quantised for the CPU (export/quantize.py); dtype
@@ -93,7 +93,7 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
         raise UserError(f"--chunk must be at least 2 (got {chunk}); decode uses its own 1-token graph")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    quant = quant_spec(weights, block_size, asymmetric)
+    quant = quant_spec(weights, block_size, asymmetric, head_bits)
     npu_quant = npu_quant_mode(quant, prof, npu_quant, calibration)
     say = progress or (lambda msg: None)
     ck = read_checkpoint(src)
@@ -186,7 +186,7 @@ def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) ->
 
 
 def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, graphs: dict, npu_specs: dict,
-                        part_suffixes: list[str], bits: int, calib: tuple[list[int], dict], say) -> dict:
+                        part_suffixes: list[str], quant, calib: tuple[list[int], dict], say) -> dict:
     """The float NPU parts in float_dir -> their QDQ twins in graphs_dir (export/qdq.py), calibrated
     per graph (prefill chunks, verify trees); float_dir is removed. Returns the manifest entry."""
     ids, source = calib
@@ -194,7 +194,7 @@ def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, gra
     for graph, spec in npu_specs.items():
         names = [graph + suffix for suffix in part_suffixes]
         qdq = quantize_parts(cfg, [float_dir / f"{nm}.onnx" for nm in names], [graphs_dir / f"{nm}.onnx" for nm in names],
-                             ids, spec.n, spec.tree, bits, say)
+                             ids, spec.n, spec.tree, quant.bits, say, head_bits=quant.head_bits)
         for nm in names:
             graphs[nm]["nodes"] = len(onnx.load(str(graphs_dir / f"{nm}.onnx"), load_external_data=False).graph.node)
     shutil.rmtree(float_dir)
@@ -244,7 +244,7 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
     qdq = None
     if npu_plan is not plan:
         qdq = _quantize_npu_parts(cfg, qdq_dir, graphs_dir, graphs, {g: specs[g] for g in npu_graphs},
-                                  [f".{prof.name}.part{k}" for k in range(len(parts))], quant.bits, calib, say)
+                                  [f".{prof.name}.part{k}" for k in range(len(parts))], quant, calib, say)
     npu = {}
     if parts:
         entry = npu[prof.name] = {"attention_capacity": prof.attention_capacity, "chunk": chunk,

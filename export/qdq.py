@@ -3,7 +3,7 @@ weights (w8a16 / w4a16), calibrated on text the user gives (export-hybrid --weig
 --profile P --calibration FILE).
 
 What is quantised: every linear layer (a Gemm over a stored matrix): its weights per output
-channel, symmetric (int8, or int4 with the lm_head kept at int8 as on the CPU path), its input and
+channel, symmetric (int8, or int4 with the lm_head at --head-bits as on the CPU path), its input and
 output activations uint16 with ranges measured by running the calibration text through the float
 parts on the CPU, exactly as the NPU would be fed (chunks of C, or chain-shaped trees for verify).
 What stays float (fp16 on the HTP): the GDN gate projections b/a, the conv, the delta-rule state
@@ -99,9 +99,9 @@ FLOAT_LINEARS = (".in_proj_ba",)
 HEAD = "lm_head"
 
 
-def quantize_graph(src: Path, dst: Path, feeds: Iterator[dict], bits: int) -> tuple[int, int]:
-    """One float graph -> its QDQ twin (dst + dst.data), activation ranges from `feeds`.
-    Returns (linear layers quantised, kept float)."""
+def quantize_graph(src: Path, dst: Path, feeds: Iterator[dict], bits: int, head_bits: int = 8) -> tuple[int, int]:
+    """One float graph -> its QDQ twin (dst + dst.data), activation ranges from `feeds`; the
+    lm_head at head_bits. Returns (linear layers quantised, kept float)."""
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
@@ -109,9 +109,11 @@ def quantize_graph(src: Path, dst: Path, feeds: Iterator[dict], bits: int) -> tu
     stored = {t.name for t in graph.initializer}
     linears = [nd for nd in graph.node if nd.op_type == "Gemm" and nd.input[1] in stored]
     keep_float = [nd.name for nd in linears if nd.input[1].endswith(FLOAT_LINEARS)]
-    overrides = {HEAD: [{"quant_type": QuantType.QInt8, "symmetric": True}]} if bits == 4 and HEAD in stored else None
+    types = {8: QuantType.QInt8, 4: QuantType.QInt4}
+    overrides = ({HEAD: [{"quant_type": types[head_bits], "symmetric": True}]}
+                 if head_bits != bits and HEAD in stored else None)
     config = get_qnn_qdq_config(str(src), _Reader(feeds), activation_type=QuantType.QUInt16,
-                                weight_type={8: QuantType.QInt8, 4: QuantType.QInt4}[bits], per_channel=True,
+                                weight_type=types[bits], per_channel=True,
                                 weight_symmetric=True, init_overrides=overrides, op_types_to_quantize=["Gemm"],
                                 nodes_to_exclude=keep_float)
     config.use_external_data_format = True
@@ -129,7 +131,7 @@ def quantize_graph(src: Path, dst: Path, feeds: Iterator[dict], bits: int) -> tu
 
 
 def quantize_parts(cfg: ModelConfig, float_files: list[Path], out_files: list[Path], ids: list[int], n: int,
-                   tree: bool, bits: int, say=lambda m: None) -> dict:
+                   tree: bool, bits: int, say=lambda m: None, head_bits: int = 8) -> dict:
     """Quantise each float part into its QDQ twin, calibrated on what it is fed over `ids`."""
     import onnxruntime as ort
 
@@ -139,9 +141,9 @@ def quantize_parts(cfg: ModelConfig, float_files: list[Path], out_files: list[Pa
     opts.log_severity_level = 3
     pipe = Pipeline([ort.InferenceSession(str(f), opts, providers=["CPUExecutionProvider"]) for f in float_files], "CPU")
     for k, (src, dst) in enumerate(zip(float_files, out_files)):
-        done, kept = quantize_graph(src, dst, part_inputs(cfg, pipe, ids, n, tree, k), bits)
+        done, kept = quantize_graph(src, dst, part_inputs(cfg, pipe, ids, n, tree, k), bits, head_bits)
         say(f"quantised {dst.name}: {done} linear layers w{bits}a16, {kept} kept float")
     return {"method": "qdq", "activations": ACTIVATIONS, "weights": f"int{bits}", "per_channel": True,
-            "symmetric": True, "head_weights": "int8" if bits == 4 else f"int{bits}",
+            "symmetric": True, "head_weights": f"int{head_bits}",
             "float": ["GDN gate projections b/a", "conv", "delta-rule state path", "norms", "attention",
                       "embedding gather"]}

@@ -34,9 +34,10 @@ class QuantSpec:
     bits: int                       # 4 or 8: every linear layer of the decoder
     block_size: int = DEFAULT_BLOCK
     symmetric: bool = True
-    # The lm_head (for a tied model an untied int8 copy of the embedding table) stays at 8 bits:
-    # its error lands straight on the logits (llama.cpp keeps it at 6 bits for the same reason),
-    # and MatMulNBits has no 6-bit form. The embedding table itself is only gathered, so it is
+    # The lm_head (for a tied model an untied copy of the embedding table) stays at 8 bits by
+    # default: its error lands straight on the logits (llama.cpp keeps it at 6 bits for the same
+    # reason), and MatMulNBits has no 6-bit form. --head-bits 4 halves it (a 4B model's head is
+    # 0.64 GB at int8) for the accuracy scripts/eval_quantized.py measures. The embedding table itself is only gathered, so it is
     # kept fp16 and only the rows a prompt touches are ever paged in.
     head_bits: int = 8
     embedding_dtype: str = "float16"
@@ -50,19 +51,23 @@ class QuantSpec:
                 "head_bits": self.head_bits, "embedding_dtype": self.embedding_dtype}
 
 
-def quant_spec(weights: str | None, block_size: int | None = None, asymmetric: bool = False) -> QuantSpec | None:
+def quant_spec(weights: str | None, block_size: int | None = None, asymmetric: bool = False,
+               head_bits: int | None = None) -> QuantSpec | None:
     """Validate the export flags; None = the float path (weights stored in --dtype)."""
     weights = weights or "float"
     if weights not in WEIGHT_MODES:
         raise UserError(f"--weights {weights!r} is not supported; choose one of {', '.join(WEIGHT_MODES)}")
     if weights == "float":
-        if block_size is not None or asymmetric:
-            raise UserError("--block-size and --asymmetric apply to quantised weights; add --weights int4 or int8")
+        if block_size is not None or asymmetric or head_bits is not None:
+            raise UserError("--block-size, --asymmetric and --head-bits apply to quantised weights; "
+                            "add --weights int4 or int8")
         return None
+    if head_bits not in (None, 4, 8):
+        raise UserError(f"--head-bits {head_bits} is not supported; choose 8 (default) or 4")
     block = DEFAULT_BLOCK if block_size is None else block_size
     if block < 16 or block > MAX_BLOCK or block & (block - 1):
         raise UserError(f"--block-size {block} is not a power of two between 16 and {MAX_BLOCK}; try 32")
-    return QuantSpec(bits=int(weights[3:]), block_size=block, symmetric=not asymmetric)
+    return QuantSpec(bits=int(weights[3:]), block_size=block, symmetric=not asymmetric, head_bits=head_bits or 8)
 
 
 # ---------------------------------------------------------------- numpy quantise / dequantise

@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
 
-MODES = {"fp32": {}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"}}
+MODES = {"fp32": {}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"},
+         "int4-head4": {"weights": "int4", "head_bits": 4}}
 HTP_MODES = {"htp-fp16": {}, "htp-qdq-w8a16": {"weights": "int8", "calibration": True},
              "htp-qdq-w4a16": {"weights": "int4", "calibration": True},
              "htp-nbits-int8": {"weights": "int8", "npu_quant": "nbits"},
@@ -116,6 +117,7 @@ def main() -> int:
     ap.add_argument("--htp", action="store_true", help="also the NPU rows, on the HTP emulator (slow)")
     ap.add_argument("--tree", type=int, default=32, help="verify tree size of the NPU rows")
     ap.add_argument("--only-htp", action="store_true", help="skip the CPU int8/int4 rows (fp32 is the reference)")
+    ap.add_argument("--modes", help="comma-separated rows to run (fp32, the reference, always runs)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     import hybrid_npu
@@ -126,9 +128,15 @@ def main() -> int:
     modes = {"fp32": {}} if args.only_htp else dict(MODES)
     if args.htp or args.only_htp:
         modes.update(HTP_MODES)
+    if args.modes:
+        wanted = set(args.modes.split(","))
+        unknown = wanted - set(MODES) - set(HTP_MODES)
+        if unknown:
+            ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from {', '.join([*MODES, *HTP_MODES])}")
+        modes = {m: kw for m, kw in {**MODES, **HTP_MODES}.items() if m == "fp32" or m in wanted}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        prof = htp_profile(tmp, args.window, args.tree) if len(modes) > len(MODES) or args.only_htp else None
+        prof = htp_profile(tmp, args.window, args.tree) if any(m.startswith("htp-") for m in modes) else None
         for mode, kw in modes.items():
             out = tmp / mode
             if mode.startswith("htp-"):

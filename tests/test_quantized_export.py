@@ -32,7 +32,8 @@ from hybrid_npu.kernels.graph import GraphBuilder
 
 MODES = {"int8": dict(weights="int8"), "int4": dict(weights="int4"),
          # hidden 48 = 3 blocks of 16: an odd block count, so each row's packed zero points end half-used
-         "int4-asym-b16": dict(weights="int4", block_size=16, asymmetric=True)}
+         "int4-asym-b16": dict(weights="int4", block_size=16, asymmetric=True),
+         "int8-head4": dict(weights="int8", head_bits=4)}  # --head-bits 4: the lm_head at int4
 
 
 def prompt(n, seed=0):
@@ -309,6 +310,8 @@ def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
     (["--weights", "int8", "--block-size", "8"], "power of two"),
     (["--block-size", "32"], "add --weights"),
     (["--asymmetric"], "add --weights"),
+    (["--head-bits", "4"], "add --weights"),
+    (["--weights", "int8", "--head-bits", "6"], "invalid choice"),
     (["--weights", "int4", "--profile", "snapdragon-x-elite"], "add --calibration FILE"),
 ])
 def test_bad_quantisation_flags_exit_2_in_one_line(text_tied, tmp_path, capsys, flags, says):

@@ -6,7 +6,7 @@ measured in a fresh process so its resident memory is its own. Prints one JSON o
 is added when a `llama-bench` binary and a GGUF are given.
 
     python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
-                                [--weights float,int8,int4] [--out scripts/results/bench_cpu.json]
+                                [--weights float,int8,int4,int4-head4] [--out scripts/results/bench_cpu.json]
 """
 from __future__ import annotations
 
@@ -58,15 +58,19 @@ def bench_ours_fresh(export_dir: Path, threads: int, prompt: list[int], decode: 
         return pool.apply(bench_ours, (export_dir, threads, prompt, decode))
 
 
-def ensure_export(src: Path, out: Path, weights: str) -> Path:
-    """Export once per weight mode; reused while its manifest says the same mode."""
+def ensure_export(src: Path, out: Path, mode: str) -> Path:
+    """Export once per weight mode (float, int8, int4, or int4-head4 = --head-bits 4); reused while
+    its manifest says the same."""
     from hybrid_npu.export.exporter import export
 
+    weights, _, head = mode.partition("-head")
+    head_bits = int(head) if head else None
     manifest = out / "model.json"
-    if not (manifest.exists() and json.loads(manifest.read_text())["weights"].get("mode", "float") == weights):
+    have = json.loads(manifest.read_text())["weights"] if manifest.exists() else {}
+    if (have.get("mode", "float"), have.get("head_bits", 8) if head_bits else None) != (weights, head_bits):
         t0 = time.perf_counter()
-        export(src, out, chunk=128, force=True, weights=weights)
-        print(f"exported {weights} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        export(src, out, chunk=128, force=True, weights=weights, head_bits=head_bits)
+        print(f"exported {mode} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return out
 
 

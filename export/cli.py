@@ -1,7 +1,7 @@
 """export-hybrid SRC OUT: a Hugging Face Qwen3.5 checkpoint → an ONNX export directory.
 
     export-hybrid SRC OUT [--profile P] [--chunk C] [--dtype fp32|fp16] [--force]
-                          [--weights int8|int4 [--block-size 32] [--asymmetric]]
+                          [--weights int8|int4 [--block-size 32] [--asymmetric] [--head-bits 8|4]]
                           [--calibration TEXT_FILE | --npu-quant nbits]   (quantised + NPU profile)
     export-hybrid --check-npu OUT --profile P      (prove every NPU graph places on the HTP)
 

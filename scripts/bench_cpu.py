@@ -66,8 +66,8 @@ def ensure_export(src: Path, out: Path, mode: str) -> Path:
     weights, _, head = mode.partition("-head")
     head_bits = int(head) if head else None
     manifest = out / "model.json"
-    have = json.loads(manifest.read_text())["weights"] if manifest.exists() else {}
-    if (have.get("mode", "float"), have.get("head_bits", 8) if head_bits else None) != (weights, head_bits):
+    have = json.loads(manifest.read_text())["weights"] if manifest.exists() else None
+    if have is None or (have.get("mode", "float"), have.get("head_bits", 8) if head_bits else None) != (weights, head_bits):
         t0 = time.perf_counter()
         export(src, out, chunk=128, force=True, weights=weights, head_bits=head_bits)
         print(f"exported {mode} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

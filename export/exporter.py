@@ -207,7 +207,8 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
     cfg = ck.config
     plan = WeightPlan(ck.load, DTYPES[dtype], quant)
     # QDQ parts start as fp32 graphs in the quantiser's layout, written aside and quantised into graphs/
-    npu_plan = WeightPlan(ck.load, np.float32, quantizable=True) if npu_quant == "qdq" else plan
+    qdq = npu_quant == "qdq"
+    npu_plan = WeightPlan(ck.load, np.float32, quantizable=True) if qdq else plan
     graphs_dir = tmp / "graphs"
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
@@ -218,21 +219,19 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
         npu_graphs = ["prefill"] + (["verify"] if prof.verify_device == "npu" else [])
         for graph in npu_graphs:
             for k, (a, b) in enumerate(parts):
-                specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(specs[graph], first_layer=a, end_layer=b,
-                                                                                    npu=True)
+                specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(specs[graph], first_layer=a,
+                                                                            end_layer=b, npu=True)
         say(f"profile {prof.name}: {len(parts)} NPU part(s), layers {parts}")
-    part_names = {name for name, spec in specs.items() if name not in graph_specs(chunk, verify)}
-    builders = {name: build_step_graph(cfg, npu_plan if name in part_names else plan, spec, name)
-                for name, spec in specs.items()}
+    builders = {name: build_step_graph(cfg, npu_plan if spec.npu else plan, spec, name) for name, spec in specs.items()}
     say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")
     placements = plan.write(graphs_dir / WEIGHTS_FILE)
     qdq_dir = tmp / ".qdq-float"  # the float parts the quantiser starts from; removed once it is done
-    if npu_plan is not plan:
+    if qdq:
         qdq_dir.mkdir()
         npu_placements = npu_plan.write(qdq_dir / WEIGHTS_FILE)
     graphs = {}
     for name, gb in builders.items():
-        aside = npu_plan is not plan and name in part_names
+        aside = qdq and specs[name].npu
         model = gb.model(npu_placements if aside else placements)
         path = (qdq_dir if aside else graphs_dir) / f"{name}.onnx"
         onnx.save_model(model, path)
@@ -241,15 +240,15 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
                         "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
         if not aside:
             say(f"wrote {path.name}: {len(model.graph.node)} nodes")
-    qdq = None
-    if npu_plan is not plan:
-        qdq = _quantize_npu_parts(cfg, qdq_dir, graphs_dir, graphs, {g: specs[g] for g in npu_graphs},
-                                  [f".{prof.name}.part{k}" for k in range(len(parts))], quant, calib, say)
+    npu_weights = None
+    if qdq:
+        npu_weights = _quantize_npu_parts(cfg, qdq_dir, graphs_dir, graphs, {g: specs[g] for g in npu_graphs},
+                                          [f".{prof.name}.part{k}" for k in range(len(parts))], quant, calib, say)
     npu = {}
     if parts:
         entry = npu[prof.name] = {"attention_capacity": prof.attention_capacity, "chunk": chunk,
                                   "max_context": max_context, "profile": prof.to_dict(),
-                                  "weights": qdq or ({"method": "nbits", **quant.to_manifest()} if quant else
+                                  "weights": npu_weights or ({"method": "nbits", **quant.to_manifest()} if quant else
                                                      {"method": "float"})}
         for graph in npu_graphs:
             parts_key, context_key = NPU_GRAPHS[graph]  # where the runtime looks them up

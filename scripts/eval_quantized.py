@@ -49,16 +49,22 @@ def windows(tokenizer, positions: int, window: int) -> list[list[int]]:
     return out
 
 
+def nll(logits: np.ndarray, target: int) -> float:
+    """-log softmax(logits)[target], in float64."""
+    row = logits.astype(np.float64)
+    m = row.max()
+    return m + math.log(np.exp(row - m).sum()) - row[target]
+
+
 def score(engine, wins) -> tuple[float, list[int]]:
-    nll, argmax = 0.0, []
+    total, argmax = 0.0, []
     for w in wins:
         engine.reset()
         for tok, nxt in zip(w[:-1], w[1:]):
-            logits = engine._step("decode", [tok]).astype(np.float64)
-            m = logits.max()
-            nll += m + math.log(np.exp(logits - m).sum()) - logits[nxt]
+            logits = engine._step("decode", [tok])
+            total += nll(logits, nxt)
             argmax.append(int(logits.argmax()))
-    return nll / len(argmax), argmax
+    return total / len(argmax), argmax
 
 
 def score_htp(path: Path, profile, wins) -> tuple[float, list[int]]:
@@ -71,33 +77,33 @@ def score_htp(path: Path, profile, wins) -> tuple[float, list[int]]:
     manifest = json.loads((path / "model.json").read_text())
     cfg, n = ModelConfig.from_dict(manifest["config"]), manifest["graphs"]["verify"]["n"]
     pipe = open_npu_pipeline(path, manifest, profile, "verify")
-    nll, argmax = 0.0, []
+    total, argmax = 0.0, []
     for w in wins:
         inputs, targets = w[:-1], w[1:]
         for s, (feed, commit) in zip(range(0, len(inputs), n),
                                      calibration_steps(cfg, inputs, n, True, profile.attention_capacity)):
             out = pipe.run(feed)
             commit(out)
-            for row, nxt in zip(out["logits"][: len(inputs[s: s + n])].astype(np.float64), targets[s: s + n]):
-                m = row.max()
-                nll += m + math.log(np.exp(row - m).sum()) - row[nxt]
+            for row, nxt in zip(out["logits"][: len(inputs[s: s + n])], targets[s: s + n]):
+                total += nll(row, nxt)
                 argmax.append(int(row.argmax()))
-    return nll / len(argmax), argmax
+    return total / len(argmax), argmax
 
 
 def htp_profile(tmp: Path, window: int, tree: int):
-    """The X Elite profile, verifying on the NPU with --tree nodes, T_max just over a window."""
-    import re
+    """The X Elite profile, verifying on the NPU with --tree nodes, T_max just over a window,
+    finalization mode 1 (compiles faster; research/htp-real-size.md). Written as a profile file
+    because the exporter takes a profile name or path."""
+    import dataclasses
 
-    from hybrid_npu.profiles.loader import load_profile
+    from hybrid_npu.profiles.loader import dumps, load_profile
 
-    text = load_profile("snapdragon-x-elite").source.read_text()
-    t_max = -(-(window + tree) // 128) * 128
-    for key, value in (("name", '"eval-htp"'), ("verify_device", '"npu"'), ("verify_tree_size", str(tree)),
-                       ("attention_capacity", str(t_max)), ("graph_finalization", "1")):
-        text = re.sub(rf"(?m)^{key}\s*=\s*\S+", f"{key} = {value}", text)
+    base = load_profile("snapdragon-x-elite")
+    prof = dataclasses.replace(base, name="eval-htp", verify_device="npu", verify_tree_size=tree,
+                               attention_capacity=-(-(window + tree) // 128) * 128,
+                               npu=dataclasses.replace(base.npu, graph_finalization=1))
     path = tmp / "eval-htp.toml"
-    path.write_text(text)
+    path.write_text(dumps(prof.to_dict()), encoding="utf-8")
     return load_profile(str(path))
 
 

@@ -65,9 +65,10 @@ def ensure_export(src: Path, out: Path, mode: str) -> Path:
 
     weights, _, head = mode.partition("-head")
     head_bits = int(head) if head else None
+    want = (weights, None if weights == "float" else head_bits or 8)  # (mode, head_bits) as the manifest says
     manifest = out / "model.json"
-    have = json.loads(manifest.read_text())["weights"] if manifest.exists() else None
-    if have is None or (have.get("mode", "float"), have.get("head_bits", 8) if head_bits else None) != (weights, head_bits):
+    have = json.loads(manifest.read_text())["weights"] if manifest.exists() else {}
+    if (have.get("mode"), have.get("head_bits")) != want:
         t0 = time.perf_counter()
         export(src, out, chunk=128, force=True, weights=weights, head_bits=head_bits)
         print(f"exported {mode} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

@@ -7,8 +7,9 @@ Runtime only, no torch:
    skipped with a count (their bound is the quantiser's to test).
 2. graphs: the prefill graph over K tokens against K calls of the decode graph from the same
    empty state: last logits finite and within LOGITS_ATOL, and the state they leave within
-   STATE_ATOL (two code paths, one model; QUANTISED_ATOL for quantised weights). Both tolerances scale with the largest magnitude
+   STATE_ATOL (two code paths, one model). Both tolerances scale with the largest magnitude
    compared when it exceeds 1: fp32 rounding is relative, and trained logits reach tens.
+   Quantised weights: relative L2 distance within QUANTISED_REL instead (see there why).
 """
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ from .checkpoint import expected_shapes, read_checkpoint
 LOGITS_ATOL = 1e-3
 STATE_ATOL = 1e-3
 # Quantised exports: MatMulNBits at accuracy_level 4 also rounds its input rows to int8 per block,
-# and its one-row (decode) and many-row (prefill) kernels round them differently: measured 0.4% of
-# the logit scale apart on the embedded model at int8 (1e-6 at int4), so 2% is the bound.
-QUANTISED_ATOL = 2e-2
+# and its one-row (decode) and many-row (prefill) kernels round them differently (measured 3e-4
+# relative at a random Qwen3.5-0.8B's first MLP down projection). Every layer amplifies that: the
+# random 0.8B at int4 ends 5.5% apart in logits and 7% in the last GDN state (relative L2) while
+# float exports agree to 1e-6. A wiring fault (state hand-off, masks, conv shift) is off by O(1),
+# so quantised exports are held to a relative bound instead of the float ones' absolute one.
+QUANTISED_REL = 0.2
 TOKENS = 5                   # prefill tokens compared with as many decode steps
 MAX_REREAD = 1 << 26         # elements: larger tensors (a real embedding) are not re-read here
 
@@ -52,6 +56,8 @@ class ParityReport:
     tokens: int = 0                # prefill tokens compared with as many decode steps
     logits_diff: float = 0.0
     state_diff: float = 0.0
+    logits_rel: float = 0.0        # relative L2 distances (the quantised exports' bound)
+    state_rel: float = 0.0
     problems: list[str] = field(default_factory=list)
 
     def line(self) -> str:
@@ -62,7 +68,7 @@ class ParityReport:
         if self.too_big:
             notes.append(f"{self.too_big} over {MAX_REREAD // 2**20}M elements not re-read")
         notes.append(f"prefill vs {self.tokens} decode steps: logits max |diff| {self.logits_diff:.2g}, "
-                     f"state {self.state_diff:.2g}")
+                     f"state {self.state_diff:.2g}; relative L2 {self.logits_rel:.2g} and {self.state_rel:.2g}")
         head = "parity: ok" if not self.problems else f"parity: FAILED: {'; '.join(self.problems)}"
         return f"{head} ({', '.join(notes)})"
 
@@ -158,14 +164,19 @@ def _advance(session: ort.InferenceSession, cfg: ModelConfig, state: State, ids:
     return out["logits"][0]
 
 
-def _state_diff(a: State, b: State) -> tuple[float, float]:
-    """(largest |a - b| over every state tensor, largest |b|)."""
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30))
+
+
+def _state_diff(a: State, b: State) -> tuple[float, float, float]:
+    """(largest |a - b| over every state tensor, largest |b|, largest relative L2 distance)."""
     pairs = [(a.gdn[i].conv, b.gdn[i].conv) for i in a.gdn] + [(a.gdn[i].recurrent, b.gdn[i].recurrent) for i in a.gdn]
     p = a.position
     pairs += [(a.attention[i].key[:, :p], b.attention[i].key[:, :p]) for i in a.attention]
     pairs += [(a.attention[i].value[:, :p], b.attention[i].value[:, :p]) for i in a.attention]
     return (max(float(np.abs(x - y).max()) for x, y in pairs),
-            max(float(np.abs(y).max()) for _, y in pairs))
+            max(float(np.abs(y).max()) for _, y in pairs),
+            max(_relative(x, y) for x, y in pairs))
 
 
 def check_graphs(export_dir: Path, manifest: dict, report: ParityReport) -> None:
@@ -183,10 +194,18 @@ def check_graphs(export_dir: Path, manifest: dict, report: ParityReport) -> None
         report.problems.append("logits are not finite")
         return
     report.logits_diff = float(np.abs(prefill_logits - decode_logits).max())
-    report.state_diff, state_scale = _state_diff(chunked, stepped)
-    quantised = manifest["weights"].get("mode", "float") != "float"
-    logits_tol = (QUANTISED_ATOL if quantised else LOGITS_ATOL) * max(1.0, float(np.abs(decode_logits).max()))
-    state_tol = (QUANTISED_ATOL if quantised else STATE_ATOL) * max(1.0, state_scale)
+    report.logits_rel = _relative(prefill_logits, decode_logits)
+    report.state_diff, state_scale, report.state_rel = _state_diff(chunked, stepped)
+    if manifest["weights"].get("mode", "float") != "float":
+        if report.logits_rel > QUANTISED_REL:
+            report.problems.append(f"prefill and decode logits are {report.logits_rel:.3g} apart (relative L2 "
+                                   f"> {QUANTISED_REL})")
+        if report.state_rel > QUANTISED_REL:
+            report.problems.append(f"prefill and decode leave states {report.state_rel:.3g} apart (relative L2 "
+                                   f"> {QUANTISED_REL})")
+        return
+    logits_tol = LOGITS_ATOL * max(1.0, float(np.abs(decode_logits).max()))
+    state_tol = STATE_ATOL * max(1.0, state_scale)
     if report.logits_diff > logits_tol:
         report.problems.append(f"prefill and decode logits differ by {report.logits_diff:.3g} (> {logits_tol:.3g})")
     if report.state_diff > state_tol:

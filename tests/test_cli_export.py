@@ -69,7 +69,8 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
     fits = (64 * 2**20 - manifest["weights"]["bytes"] - cfg.state_bytes()) // per_token
     assert f"max context  {fits:,} tokens in 64.0 MiB" in proc.stdout
     m = re.fullmatch(r"parity: ok \((\d+) source tensors equal weights.bin \(max \|diff\| (\S+)\), prefill vs 5 "
-                     r"decode steps: logits max \|diff\| (\S+), state (\S+)\)", lines[-1])
+                     r"decode steps: logits max \|diff\| (\S+), state (\S+); relative L2 (\S+) and (\S+)\)",
+                     lines[-1])
     assert m, lines[-1]
     assert int(m.group(1)) >= 20 and float(m.group(2)) == 0.0  # fp32: bitwise
     assert float(m.group(3)) <= 1e-3 and float(m.group(4)) <= 1e-3

@@ -26,10 +26,11 @@ import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.kernels.attention import emit_gqa_attention
-from hybrid_npu.kernels.conv import emit_short_conv
+from hybrid_npu.kernels.conv import emit_short_conv, emit_short_conv_step_cpu
 from hybrid_npu.kernels.delta_rule import emit_gated_delta
 from hybrid_npu.kernels.graph import GraphBuilder
-from hybrid_npu.kernels.norms import emit_gated_rmsnorm, emit_rmsnorm_1p
+from hybrid_npu.kernels.norms import (emit_add_rmsnorm_1p_cpu, emit_gated_rmsnorm, emit_gated_rmsnorm_cpu,
+                                      emit_rmsnorm_1p, emit_rmsnorm_1p_cpu)
 from hybrid_npu.kernels.rope import emit_partial_rope
 
 from .quantize import plan_quantized_linear
@@ -47,6 +48,12 @@ class StepSpec:
     tree: bool = False
     all_logits: bool = False     # logits for every token (verify) or only last_index (prefill/decode)
     npu: bool = False            # an NPU part: the HTP's MatMulNBits takes only 3-D inputs
+    cpu_kernels: bool = False    # the decode graph (N = 1, CPU only): norms and the short conv as ONNX
+    #                              Runtime's fused CPU kernels, contrib ops the HTP does not have
+
+    def __post_init__(self):
+        if self.cpu_kernels and (self.n != 1 or self.tree or self.npu):
+            raise ValueError("cpu_kernels is the one-token CPU decode graph's")
 
     def layers(self, cfg: ModelConfig) -> range:
         return range(self.first_layer, cfg.num_layers if self.end_layer is None else self.end_layer)
@@ -85,7 +92,18 @@ class _Builder:
         return [y] if len(out_dims) == 1 else self.g.split(y, out_dims, axis=-1)
 
     def norm1p(self, x: str, src: str, size: int) -> str:
-        return emit_rmsnorm_1p(self.g, x, self.w(self.plan.vector(src, size)), self.cfg.rms_norm_eps)
+        emit = emit_rmsnorm_1p_cpu if self.spec.cpu_kernels else emit_rmsnorm_1p
+        return emit(self.g, x, self.w(self.plan.vector(src, size)), self.cfg.rms_norm_eps)
+
+    def add_norm1p(self, x: str, delta: str | None, src: str) -> tuple[str, str]:
+        """(x + delta, its RMSNorm1p): the residual add and the next norm, one node on the CPU."""
+        if delta is None:
+            return x, self.norm1p(x, src, self.cfg.hidden_size)
+        if self.spec.cpu_kernels:
+            return emit_add_rmsnorm_1p_cpu(self.g, x, delta, self.w(self.plan.vector(src, self.cfg.hidden_size)),
+                                           self.cfg.rms_norm_eps)
+        x = self.g.op("Add", x, delta)
+        return x, self.norm1p(x, src, self.cfg.hidden_size)
 
     # ---------------------------------------------------------------- graph
     def build(self) -> GraphBuilder:
@@ -110,18 +128,19 @@ class _Builder:
             self.attn_mask = g.input("attn_mask", np.float32, [n, MASK_LEN])
         if gdn_layers:
             self._gdn_masks()
+        down = None  # the last MLP's output, added to the residual together with the next norm
         for i in layers:
+            p = f"layers.{i}."
+            x, h = self.add_norm1p(x, down, p + "input_layernorm.weight")
             if i in c.tap_layers:
                 g.output(x, f"tap.{i}", np.float32, [n, c.hidden_size])
-            p = f"layers.{i}."
-            h = self.norm1p(x, p + "input_layernorm.weight", c.hidden_size)
             mixed = self.gdn(h, i) if c.layer_types[i] == LINEAR else self.attention(h, i)
-            x = g.op("Add", x, mixed)
-            h = self.norm1p(x, p + "post_attention_layernorm.weight", c.hidden_size)
+            x, h = self.add_norm1p(x, mixed, p + "post_attention_layernorm.weight")
             gate, up = self.linear(h, p + "mlp.gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                                    c.hidden_size, [c.intermediate_size] * 2)
             down = self.linear(g.op("Mul", g.silu(gate), up), p + "mlp.down_proj", [p + "mlp.down_proj.weight"],
                                c.intermediate_size, [c.hidden_size])[0]
+        if down is not None:
             x = g.op("Add", x, down)
         if layers.stop == c.num_layers:
             self.head(x)
@@ -159,13 +178,17 @@ class _Builder:
             b, a_in = self.linear(h, a + "in_proj_ba", sources[2:], c.hidden_size, [hv, hv], quantize=False)
         conv_state = g.input(f"conv_state.{i}", np.float32, [c.conv_dim, k - 1])
         S = g.input(f"recurrent_state.{i}", np.float32, [hv, dk, dv])
-        y, new_conv = emit_short_conv(g, qkv, conv_state, self.w(self.plan.conv_weight(a + "conv1d.weight", c.conv_dim, k)),
-                                      n, k, self.state_select, self.tree_select)
+        conv_w = self.w(self.plan.conv_weight(a + "conv1d.weight", c.conv_dim, k))
+        if self.spec.cpu_kernels:
+            y, new_conv = emit_short_conv_step_cpu(g, qkv, conv_state, conv_w)
+        else:
+            y, new_conv = emit_short_conv(g, qkv, conv_state, conv_w, n, k, self.state_select, self.tree_select)
         q, kk, v = g.split(y, [c.key_dim, c.key_dim, c.value_dim], axis=-1)
         q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
         beta = g.op("Sigmoid", b)
         # g = -exp(A_log) * softplus(a + dt_bias)
-        sp = g.softplus(g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv))))
+        a_in = g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv)))
+        sp = g.op("Softplus", a_in) if self.spec.cpu_kernels else g.softplus(a_in)  # the CPU's own is exact
         decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
         if self.valid is not None:  # a padded token neither decays nor writes the state
             beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
@@ -179,10 +202,12 @@ class _Builder:
         else:
             g.output(new_conv, f"conv_state_out.{i}", np.float32, [c.conv_dim, k - 1])
             g.output(S_after, f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
-        normed = emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), self.w(self.plan.vector(a + "norm.weight", dv)),
-                                    c.rms_norm_eps)
-        return self.linear(g.reshape(normed, [n, hv * dv]), a + "out_proj", [a + "out_proj.weight"],
-                           hv * dv, [c.hidden_size])[0]
+        norm_w = self.w(self.plan.vector(a + "norm.weight", dv))
+        if self.spec.cpu_kernels:
+            normed = emit_gated_rmsnorm_cpu(g, g.reshape(o, [n, hv * dv]), z, norm_w, c.rms_norm_eps)
+        else:
+            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), norm_w, c.rms_norm_eps), [n, hv * dv])
+        return self.linear(normed, a + "out_proj", [a + "out_proj.weight"], hv * dv, [c.hidden_size])[0]
 
     def attention(self, h: str, i: int) -> str:
         c, g, n = self.cfg, self.g, self.n

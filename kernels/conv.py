@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import GraphBuilder
+from .graph import MS_DOMAIN, GraphBuilder
 
 
 def _silu(x):
@@ -99,3 +99,13 @@ def emit_short_conv(g: GraphBuilder, x: str, state: str, w_kc: str, n: int, k: i
     else:
         new_state = g.matmul(state_select, X)
     return y, g.transpose(new_state, [1, 0])
+
+
+def emit_short_conv_step_cpu(g: GraphBuilder, x: str, state: str, w_kc: str):
+    """One token (decode) through ONNX Runtime's CPU kernel CausalConvWithState, SiLU fused: one
+    node where the plain form takes ~17. x [1, C], state [C, K-1], w_kc [K, C]; returns
+    (y [1, C], new state [C, K-1]) as emit_short_conv does."""
+    w = g.unsqueeze(g.transpose(w_kc, [1, 0]), [1])  # [C, 1, K]: constant, folded at load
+    y, new_state = g.op("CausalConvWithState", g.reshape(x, [1, -1, 1]), w, "", g.unsqueeze(state, [0]), n_out=2,
+                        domain=MS_DOMAIN, activation="silu")
+    return g.reshape(y, [1, -1]), g.op("Squeeze", new_state, g.ints([0]))

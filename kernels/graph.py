@@ -29,6 +29,11 @@ class GraphBuilder:
         self._ids = itertools.count()
         self._const_cache: dict[tuple, str] = {}
         self.external: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self.opset = OPSET
+
+    def require_opset(self, version: int) -> None:
+        """A node from a later ONNX opset (CPU graphs only: the NPU graphs stay at OPSET)."""
+        self.opset = max(self.opset, version)
 
     # ---- names and values ----
     def fresh(self, hint: str) -> str:
@@ -63,10 +68,13 @@ class GraphBuilder:
         return self.const(np.asarray(values, dtype=np.int64), np.int64)
 
     # ---- nodes ----
-    def op(self, op_type: str, *inputs: str, n_out: int = 1, **attrs):
-        outs = [self.fresh(op_type.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))  # named: tools (quantizer, QNN reports) address nodes by name
-        return outs[0] if n_out == 1 else outs
+    def op(self, op_type: str, *inputs: str, n_out: int = 1, omit: tuple[int, ...] = (), **attrs):
+        """omit: indices of optional outputs left unnamed (not computed); the rest are returned."""
+        outs = ["" if i in omit else self.fresh(op_type.lower()) for i in range(n_out)]
+        used = [o for o in outs if o]
+        # named: tools (quantizer, QNN reports) address nodes by name
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=used[0], **attrs))
+        return used[0] if len(used) == 1 else used
 
     def reshape(self, x: str, shape) -> str:
         return self.op("Reshape", x, self.ints(shape))
@@ -130,7 +138,7 @@ class GraphBuilder:
                 entry.key, entry.value = key, value
             inits.append(t)
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, inits)
-        opsets = [helper.make_opsetid("", OPSET)]
+        opsets = [helper.make_opsetid("", self.opset)]
         if any(node.domain == MS_DOMAIN for node in self.nodes):
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="hybrid-npu")

@@ -3,14 +3,16 @@
 * RMSNorm1p: x̂·(1+w), zero-centred weight: input/post/final norms and q_norm/k_norm.
 * Gated RMSNorm: (w·x̂)·silu(z), plain weight, per value head over Dv: linear_attn.norm.
 
-Written as plain ops in ONNX: the fused RMSNormalization gave wrong, varying values on small
-shapes on the HTP (research/htp-real-size.md bug 2).
+Written as plain ops in ONNX for the NPU: the fused RMSNormalization gave wrong, varying values
+on small shapes on the HTP (research/htp-real-size.md bug 2). CPU graphs use ONNX Runtime's own
+fused CPU kernels instead (the `*_cpu` emitters): one node where the plain form takes seven, and a
+decode step runs ~100 norms.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .graph import GraphBuilder
+from .graph import MS_DOMAIN, GraphBuilder
 
 
 def _normalize(x: np.ndarray, eps: float) -> np.ndarray:
@@ -37,3 +39,23 @@ def emit_rmsnorm_1p(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
 
 def emit_gated_rmsnorm(g: GraphBuilder, o: str, z: str, weight: str, eps: float) -> str:
     return g.op("Mul", g.op("Mul", _emit_normalize(g, o, eps), weight), g.silu(z))
+
+
+# ---------------------------------------------------------------- ONNX Runtime CPU kernels
+
+def emit_rmsnorm_1p_cpu(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
+    """ONNX RMSNormalization (opset 23) with scale 1 + w (folded at load)."""
+    g.require_opset(23)
+    return g.op("RMSNormalization", x, g.op("Add", weight, g.const(1.0)), axis=-1, epsilon=eps)
+
+
+def emit_add_rmsnorm_1p_cpu(g: GraphBuilder, residual: str, delta: str, weight: str, eps: float) -> tuple[str, str]:
+    """(residual + delta, its RMSNorm1p) in one SkipSimplifiedLayerNormalization."""
+    normed, total = g.op("SkipSimplifiedLayerNormalization", delta, residual, g.op("Add", weight, g.const(1.0)),
+                         n_out=4, omit=(1, 2), domain=MS_DOMAIN, epsilon=eps)
+    return total, normed
+
+
+def emit_gated_rmsnorm_cpu(g: GraphBuilder, o: str, z: str, weight: str, eps: float) -> str:
+    """GatedRMSNorm over o, z [..., H·Dv] packed: the norm runs per Dv (the weight's length)."""
+    return g.op("GatedRMSNorm", o, weight, z, domain=MS_DOMAIN, activation="silu", epsilon=eps)

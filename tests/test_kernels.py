@@ -178,6 +178,33 @@ def test_short_conv_numpy_vs_transformers_vs_onnx():
         np.testing.assert_allclose(new_o, conv.short_conv_ref(x, state, w, valid)[1], atol=1e-6)
 
 
+def test_short_conv_cpu_step_matches_reference_and_transformers():
+    """The decode graph's CausalConvWithState form over consecutive tokens, state carried between."""
+    r = np.random.default_rng(3)
+    n = 5
+    x = r.standard_normal((n, C_CONV)).astype(np.float32)
+    state = r.standard_normal((C_CONV, K_CONV - 1)).astype(np.float32)
+    w = r.standard_normal((C_CONV, K_CONV)).astype(np.float32)
+    hf_state = torch.from_numpy(np.concatenate([np.zeros((C_CONV, 1), np.float32), state], 1))[None].clone()
+    hf_y = torch.cat([M5.causal_conv1d_update(torch.from_numpy(x[t])[None, :, None], hf_state, torch.from_numpy(w),
+                                              None, "silu") for t in range(n)], -1)[0].T.numpy()
+    y_ref, state_ref = conv.short_conv_ref(x, state, w)
+    g = GraphBuilder("conv_cpu")
+    xi, si = g.input("x", np.float32, [1, C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])
+    y, new = conv.emit_short_conv_step_cpu(g, xi, si, g.const(w.T.copy()))
+    g.output(y, "y", np.float32, [1, C_CONV])
+    g.output(new, "new", np.float32, [C_CONV, K_CONV - 1])
+    assert any(node.op_type == "CausalConvWithState" for node in g.nodes)
+    ys, s = [], state
+    for t in range(n):
+        y_t, s = run_graph(g, {"x": x[t: t + 1], "s": s})
+        ys.append(y_t[0])
+    np.testing.assert_allclose(np.stack(ys), hf_y, atol=1e-5)
+    np.testing.assert_allclose(np.stack(ys), y_ref, atol=1e-5)
+    np.testing.assert_allclose(s, state_ref, atol=1e-6)
+    np.testing.assert_allclose(s, hf_state[0, :, 1:].numpy(), atol=1e-6)
+
+
 def test_tree_conv_reads_each_nodes_own_path():
     parents = tree_parents()
     n = len(parents)
@@ -222,6 +249,48 @@ def test_norms_numpy_vs_transformers_vs_onnx():
     a, b = run_graph(g, {"x": x, "z": z})
     np.testing.assert_allclose(a, want1, atol=1e-5)
     np.testing.assert_allclose(b, wantg, atol=1e-5)
+
+
+def test_cpu_kernel_norms_match_reference_and_transformers():
+    """The CPU graphs' fused forms: RMSNormalization, SkipSimplifiedLayerNormalization
+    (residual add + norm) and GatedRMSNorm on packed heads [N, H·Dv]."""
+    r = np.random.default_rng(4)
+    x, d, z = (r.standard_normal((7, 3, 10)).astype(np.float32) for _ in range(3))
+    w = (r.standard_normal(10) * 0.3).astype(np.float32)
+    hf1, hfg = M5.Qwen3_5RMSNorm(10, eps=1e-6), M5.Qwen3_5RMSNormGated(10, eps=1e-6)
+    hf1.weight.data, hfg.weight.data = torch.from_numpy(w), torch.from_numpy(1 + w)
+    with torch.no_grad():
+        want1 = hf1(torch.from_numpy(x)).numpy()
+        want_sum = hf1(torch.from_numpy(x + d)).numpy()
+        wantg = hfg(torch.from_numpy(x), torch.from_numpy(z)).numpy().reshape(7, 30)
+    g = GraphBuilder("norms_cpu")
+    xi, di, zi = (g.input(k, np.float32, [7, 3, 10]) for k in "xdz")
+    g.output(norms.emit_rmsnorm_1p_cpu(g, xi, g.const(w), 1e-6), "a", np.float32, [7, 3, 10])
+    total, normed = norms.emit_add_rmsnorm_1p_cpu(g, xi, di, g.const(w), 1e-6)
+    g.output(total, "total", np.float32, [7, 3, 10])
+    g.output(normed, "normed", np.float32, [7, 3, 10])
+    packed = norms.emit_gated_rmsnorm_cpu(g, g.reshape(xi, [7, 30]), g.reshape(zi, [7, 30]), g.const(1 + w), 1e-6)
+    g.output(packed, "b", np.float32, [7, 30])
+    assert {n.op_type for n in g.nodes} >= {"RMSNormalization", "SkipSimplifiedLayerNormalization",
+                                            "GatedRMSNorm"}
+    a, tot, nd, b = run_graph(g, {"x": x, "d": d, "z": z})
+    np.testing.assert_allclose(a, want1, atol=1e-5)
+    np.testing.assert_allclose(a, norms.rmsnorm_1p_ref(x, w, 1e-6), atol=1e-5)
+    np.testing.assert_allclose(tot, x + d, atol=1e-6)
+    np.testing.assert_allclose(nd, want_sum, atol=1e-5)
+    np.testing.assert_allclose(b, wantg, atol=1e-5)
+    np.testing.assert_allclose(b, norms.gated_rmsnorm_ref(x, z, 1 + w, 1e-6).reshape(7, 30), atol=1e-5)
+
+
+def test_cpu_softplus_is_exact_where_the_decay_needs_it():
+    """CPU graphs take ONNX Runtime's Softplus for the decay (the NPU graphs carry their own, the
+    HTP's being off by ~9%): exact to fp32 rounding over the range the gate input spans."""
+    x = np.linspace(-40, 40, 4001, dtype=np.float32)
+    g = GraphBuilder("softplus")
+    g.output(g.op("Softplus", g.input("x", np.float32, [x.size])), "y", np.float32, [x.size])
+    (y,) = run_graph(g, {"x": x})
+    want = np.logaddexp(0.0, x.astype(np.float64))
+    np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-30)
 
 
 def test_partial_rope_numpy_vs_transformers_vs_onnx():

@@ -1,12 +1,14 @@
 """CPU prefill and decode speed: our runtime vs transformers eager, same checkpoint, same threads.
 
 Random weights with the real Qwen3.5-0.8B text config (speed does not depend on the values).
-One row per weight mode (float = the fp32 export, int8 / int4 = export-hybrid --weights), each
-measured in a fresh process so its resident memory is its own. Prints one JSON object; llama.cpp
-is added when a `llama-bench` binary and a GGUF are given.
+One row per weight mode (float = the fp32 export, int8 / int4 = export-hybrid --weights, with
+-headN / -bN for --head-bits / --block-size), each measured in a fresh process so its resident
+memory is its own; decode_session_gb is the decode session alone (the CPU's share when prefill
+runs on the NPU). Prints one JSON object; llama.cpp is added when a `llama-bench` binary and a
+GGUF are given.
 
     python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
-                                [--weights float,int8,int4,int4-head4] [--out scripts/results/bench_cpu.json]
+                                [--weights float,int8,int4,int4-head4,int4-head4-b128] [--out FILE]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import argparse
 import json
 import multiprocessing
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -52,26 +55,41 @@ def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -
             "after_load": after_load, **_memory_gb()}
 
 
-def bench_ours_fresh(export_dir: Path, threads: int, prompt: list[int], decode: int) -> dict:
-    """bench_ours in a new process: memory freed by an earlier row does not always go back to the OS."""
+def decode_session_gb(export_dir: Path) -> float:
+    """PSS the decode session alone adds: the CPU's whole share where prefill runs on the NPU."""
+    from hybrid_npu.runtime.pipeline import cpu_session
+
+    manifest = json.loads((export_dir / "model.json").read_text())
+    before = psutil.Process().memory_full_info().pss
+    session = cpu_session(export_dir / manifest["graphs"]["decode"]["file"], manifest)
+    grown = psutil.Process().memory_full_info().pss - before
+    del session
+    return round(grown / 1e9, 2)
+
+
+def fresh_process(fn, *args):
+    """fn(*args) in a new process: memory freed by an earlier row does not always go back to the OS."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(bench_ours, (export_dir, threads, prompt, decode))
+        return pool.apply(fn, args)
 
 
-def ensure_export(src: Path, out: Path, mode: str) -> Path:
-    """Export once per weight mode (float, int8, int4, or int4-head4 = --head-bits 4); reused while
-    its manifest says the same."""
+def export_mode(src: Path, out: Path, mode: str) -> Path:
+    """Export one weight mode: float, int8, int4, with optional -headN (--head-bits N) and -bN
+    (--block-size N), e.g. int4-head4-b128. Exported afresh every run: an export left by older
+    code would measure older graphs."""
     from hybrid_npu.export.exporter import export
 
-    weights, _, head = mode.partition("-head")
-    head_bits = int(head) if head else None
-    want = (weights, None if weights == "float" else head_bits or 8)  # (mode, head_bits) as the manifest says
-    manifest = out / "model.json"
-    have = json.loads(manifest.read_text())["weights"] if manifest.exists() else {}
-    if (have.get("mode"), have.get("head_bits")) != want:
-        t0 = time.perf_counter()
-        export(src, out, chunk=128, force=True, weights=weights, head_bits=head_bits)
-        print(f"exported {mode} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    weights, *options = mode.split("-")
+    flags = {"head": "head_bits", "b": "block_size"}
+    kw = {}
+    for option in options:
+        m = re.fullmatch(r"(head|b)(\d+)", option)
+        if not m:
+            raise SystemExit(f"bench_cpu.py: unknown option {option!r} in weight mode {mode!r}; use -headN or -bN")
+        kw[flags[m.group(1)]] = int(m.group(2))
+    t0 = time.perf_counter()
+    export(src, out, chunk=128, force=True, weights=weights, **kw)
+    print(f"exported {mode} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return out
 
 
@@ -131,7 +149,8 @@ def main() -> int:
     for mode in args.weights.split(","):
         out = args.workdir / ("qwen35-0.8b-export" if mode == "float" else f"qwen35-0.8b-export-{mode}")
         row = "hybrid_npu_cpu" if mode == "float" else f"hybrid_npu_cpu_{mode}"
-        result[row] = bench_ours_fresh(ensure_export(src, out, mode), args.threads, prompt, args.decode)
+        result[row] = fresh_process(bench_ours, export_mode(src, out, mode), args.threads, prompt, args.decode)
+        result[row]["decode_session_gb"] = fresh_process(decode_session_gb, out)
     if not args.skip_transformers and "hybrid_npu_cpu" in result:
         result["transformers_eager"] = bench_transformers(src, args.threads, prompt, args.decode)
         ours, hf = result["hybrid_npu_cpu"], result["transformers_eager"]

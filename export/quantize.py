@@ -208,4 +208,5 @@ def plan_quantized_linear(plan, name: str, sources: list[str], in_dim: int, out_
     plan.add(q.scales, (n, n_blocks), lambda: once.part(1), np.float32, params=0)
     if q.zero_points:
         plan.add(q.zero_points, (n, -(-n_blocks * bits // 8)), lambda: once.part(2), np.uint8, params=0)
+    plan.prepacked.update(name for name in (q.b, q.scales, q.zero_points) if name)
     return q

@@ -40,6 +40,10 @@ class WeightPlan:
         self.table_dtype = (np.dtype(quant.embedding_dtype) if quant is not None else
                             np.dtype(np.float16) if quantizable else self.matrix_dtype)
         self.entries: dict[str, StoredWeight] = {}
+        self.prepacked: set[str] = set()  # MatMulNBits inputs: every CPU session packs its own copy
+
+    def prepacked_bytes(self) -> int:
+        return sum(int(np.prod(self.entries[n].shape)) * self.entries[n].dtype.itemsize for n in self.prepacked)
 
     def add(self, name: str, shape, make: Callable[[], np.ndarray], dtype=np.float32, params: int | None = None) -> str:
         if name not in self.entries:

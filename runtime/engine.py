@@ -19,7 +19,7 @@ from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.profiles.loader import load_profile
 
-from .memory import plan_memory
+from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_session
 from .qnn import NpuUnavailable
@@ -80,13 +80,15 @@ class Engine:
         if self.profile.has_npu and prefill != "cpu":
             self._open_npu()
         self.tokenizer = self._load_tokenizer()
-        self.memory = plan_memory(self.config, self.manifest["weights"]["bytes"], self.chunk,
-                                  memory or self.profile.memory_budget_bytes or None)
         verify = self.manifest["graphs"].get("verify")  # exports before speculation have none
         self.drafter = self._open_drafter(drafter, threads) if verify else None  # reset/observe/propose
         if drafter is not None and verify is None:
             raise UserError(f"{self.path} has no tree-verify graph for speculative decoding; re-export it with: "
                             f"export-hybrid SOURCE {self.path} --drafter DRAFTER")
+        # CPU sessions holding weights: prefill and decode now, verify once speculation runs there
+        cpu_sessions = 2 + (self.drafter is not None and "npu_verify" not in self.pipelines)
+        self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
+                                  self.chunk, memory or self.profile.memory_budget_bytes or None)
         # EAGLE-2 tree shape (research/eagle3.md §1.6), unless the export records the shape measured
         # best for its drafter (scripts/build_embedded_model.py does)
         shape = self.manifest.get("drafter", {}).get("draft_shape", {"top_k": 4, "depth": 6, "total_tokens": 1 << 30})

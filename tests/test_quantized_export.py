@@ -308,18 +308,32 @@ def test_weights_file_is_the_quantised_size(text_tied, quantized, mode, bits):
     assert file_bytes < float_file * {8: 0.5, 4: 0.35}[bits]
 
 
+def matmul_nbits_bytes(graph) -> int:
+    """Bytes of the MatMulNBits weights (B, scales, zero points) a graph reads from weights.bin."""
+    model = onnx.load(str(graph), load_external_data=False)
+    length = {t.name: int({e.key: e.value for e in t.external_data}["length"]) for t in model.graph.initializer
+              if t.external_data}
+    return sum(length[name] for name in {i for node in model.graph.node if node.op_type == "MatMulNBits"
+                                         for i in node.input[1:] if i})
+
+
 def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
-    """The engine's memory plan counts the quantised weights file, so the same budget holds more
-    context than the fp32 export's."""
+    """The engine's memory plan counts the quantised weights file plus the second CPU session's
+    prepacked copy of the MatMulNBits matrices (prefill and decode each pack their own), so the
+    same budget still holds more context than the fp32 export's."""
     import hybrid_npu
 
     fp32 = hybrid_npu.load(text_tied.out)
     budget = fp32.memory_report()["weights_bytes"] + fp32.memory_report()["state_bytes"] + (1 << 20)
-    plans = {}
-    for mode in ("float", "int8", "int4"):
-        path = text_tied.out if mode == "float" else quantized / mode
+    assert fp32.memory_report()["weights_bytes"] == (text_tied.out / "graphs" / "weights.bin").stat().st_size
+    plans = {"float": hybrid_npu.load(text_tied.out, memory=budget).memory_report()["max_context"]}
+    for mode in ("int8", "int4"):
+        path = quantized / mode
+        manifest = json.loads((path / "model.json").read_text())
+        packed = manifest["weights"]["prepacked_bytes"]
+        assert packed == matmul_nbits_bytes(path / "graphs" / "decode.onnx") > 0
         report = hybrid_npu.load(path, memory=budget).memory_report()
-        assert report["weights_bytes"] == (path / "graphs" / "weights.bin").stat().st_size
+        assert report["weights_bytes"] == (path / "graphs" / "weights.bin").stat().st_size + packed
         plans[mode] = report["max_context"]
     assert plans["float"] < plans["int8"] < plans["int4"]
 

@@ -153,19 +153,30 @@ def test_unit_lower_solve_is_exact_for_ragged_sizes():
 C_CONV, K_CONV = 11, 4
 
 
-def test_short_conv_numpy_vs_transformers_vs_onnx():
-    r = np.random.default_rng(0)
-    n = 9
-    x = r.standard_normal((n, C_CONV)).astype(np.float32)
-    state = r.standard_normal((C_CONV, K_CONV - 1)).astype(np.float32)
-    w = r.standard_normal((C_CONV, K_CONV)).astype(np.float32)
-    y_ref, new_ref = conv.short_conv_ref(x, state, w)
-    # transformers: a K-column state whose first column is never read; decode steps one at a time
+def conv_case(n: int, seed: int):
+    """x [n, C], state [C, K-1], w [C, K]."""
+    r = np.random.default_rng(seed)
+    return (r.standard_normal((n, C_CONV)).astype(np.float32),
+            r.standard_normal((C_CONV, K_CONV - 1)).astype(np.float32),
+            r.standard_normal((C_CONV, K_CONV)).astype(np.float32))
+
+
+def hf_conv(x, state, w):
+    """transformers' decode-time conv, one token at a time: (y [n, C], state [C, K-1]). It keeps a
+    K-column state whose first column is never read."""
     hf_state = torch.from_numpy(np.concatenate([np.zeros((C_CONV, 1), np.float32), state], 1))[None].clone()
     ys = [M5.causal_conv1d_update(torch.from_numpy(x[t])[None, :, None], hf_state, torch.from_numpy(w), None, "silu")
-          for t in range(n)]
-    np.testing.assert_allclose(torch.cat(ys, -1)[0].T.numpy(), y_ref, atol=1e-5)
-    np.testing.assert_allclose(hf_state[0, :, 1:].numpy(), new_ref, atol=1e-6)
+          for t in range(len(x))]
+    return torch.cat(ys, -1)[0].T.numpy(), hf_state[0, :, 1:].numpy()
+
+
+def test_short_conv_numpy_vs_transformers_vs_onnx():
+    n = 9
+    x, state, w = conv_case(n, seed=0)
+    y_ref, new_ref = conv.short_conv_ref(x, state, w)
+    hf_y, hf_state = hf_conv(x, state, w)
+    np.testing.assert_allclose(hf_y, y_ref, atol=1e-5)
+    np.testing.assert_allclose(hf_state, new_ref, atol=1e-6)
     g = GraphBuilder("conv")
     xi, si = g.input("x", np.float32, [n, C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])
     sel = g.input("sel", np.float32, [K_CONV - 1, K_CONV - 1 + n])
@@ -180,14 +191,9 @@ def test_short_conv_numpy_vs_transformers_vs_onnx():
 
 def test_short_conv_cpu_step_matches_reference_and_transformers():
     """The decode graph's CausalConvWithState form over consecutive tokens, state carried between."""
-    r = np.random.default_rng(3)
     n = 5
-    x = r.standard_normal((n, C_CONV)).astype(np.float32)
-    state = r.standard_normal((C_CONV, K_CONV - 1)).astype(np.float32)
-    w = r.standard_normal((C_CONV, K_CONV)).astype(np.float32)
-    hf_state = torch.from_numpy(np.concatenate([np.zeros((C_CONV, 1), np.float32), state], 1))[None].clone()
-    hf_y = torch.cat([M5.causal_conv1d_update(torch.from_numpy(x[t])[None, :, None], hf_state, torch.from_numpy(w),
-                                              None, "silu") for t in range(n)], -1)[0].T.numpy()
+    x, state, w = conv_case(n, seed=3)
+    hf_y, hf_state = hf_conv(x, state, w)
     y_ref, state_ref = conv.short_conv_ref(x, state, w)
     g = GraphBuilder("conv_cpu")
     xi, si = g.input("x", np.float32, [1, C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])
@@ -202,16 +208,13 @@ def test_short_conv_cpu_step_matches_reference_and_transformers():
     np.testing.assert_allclose(np.stack(ys), hf_y, atol=1e-5)
     np.testing.assert_allclose(np.stack(ys), y_ref, atol=1e-5)
     np.testing.assert_allclose(s, state_ref, atol=1e-6)
-    np.testing.assert_allclose(s, hf_state[0, :, 1:].numpy(), atol=1e-6)
+    np.testing.assert_allclose(s, hf_state, atol=1e-6)
 
 
 def test_tree_conv_reads_each_nodes_own_path():
     parents = tree_parents()
     n = len(parents)
-    r = np.random.default_rng(1)
-    x = r.standard_normal((n, C_CONV)).astype(np.float32)
-    state = r.standard_normal((C_CONV, K_CONV - 1)).astype(np.float32)
-    w = r.standard_normal((C_CONV, K_CONV)).astype(np.float32)
+    x, state, w = conv_case(n, seed=1)
     y_tree = conv.tree_conv_ref(x, state, w, parents)
     g = GraphBuilder("tconv")
     xi, si = g.input("x", np.float32, [n, C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])

@@ -317,6 +317,13 @@ def matmul_nbits_bytes(graph) -> int:
                                          for i in node.input[1:] if i})
 
 
+class AnyDrafter:
+    """Any object with reset/observe/propose turns speculation on (never called here)."""
+    def reset(self): ...
+    def observe(self, *args): ...
+    def propose(self, *args): ...
+
+
 def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
     """The engine's memory plan counts the quantised weights file plus the second CPU session's
     prepacked copy of the MatMulNBits matrices (prefill and decode each pack their own), so the
@@ -332,9 +339,12 @@ def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
         manifest = json.loads((path / "model.json").read_text())
         packed = manifest["weights"]["prepacked_bytes"]
         assert packed == matmul_nbits_bytes(path / "graphs" / "decode.onnx") > 0
+        file = (path / "graphs" / "weights.bin").stat().st_size
         report = hybrid_npu.load(path, memory=budget).memory_report()
-        assert report["weights_bytes"] == (path / "graphs" / "weights.bin").stat().st_size + packed
+        assert report["weights_bytes"] == file + packed
         plans[mode] = report["max_context"]
+        speculating = hybrid_npu.load(path, memory=budget, drafter=AnyDrafter()).memory_report()
+        assert speculating["weights_bytes"] == file + 2 * packed  # verify: a third CPU session
     assert plans["float"] < plans["int8"] < plans["int4"]
 
 

@@ -27,7 +27,10 @@ def npu_part_files(path: Path, manifest: dict, profile, graph: str = "prefill") 
     if entry and entry.get(parts_key):
         return [p["file"] for p in entry[parts_key]]
     htp_bytes = manifest["weights"]["params"] * (2 if profile.npu.precision == "fp16" else 1)
-    if htp_bytes <= profile.part_weight_bytes and graph in manifest["graphs"]:  # the whole graph is one part
+    # the whole CPU graph as one part: float exports only (a quantised one's MatMulNBits take 2-D
+    # inputs, which the HTP refuses; its NPU parts are built 3-D by export-hybrid --profile)
+    float_weights = manifest["weights"].get("mode", "float") == "float"
+    if float_weights and htp_bytes <= profile.part_weight_bytes and graph in manifest["graphs"]:
         return [manifest["graphs"][graph]["file"]]
     raise NpuUnavailable(f"this export has no NPU {graph} graphs for profile {profile.name}; "
                          f"re-export with: export-hybrid SOURCE {path} --profile {profile.name}")
@@ -71,7 +74,11 @@ def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill
         if session is None:
             t_max = profile.attention_capacity
             so = qnn_session_options(options, {PAST_DIM: t_max, MASK_DIM: t_max + n})
-            session = ort.InferenceSession(str(path / f), so)
+            try:
+                session = ort.InferenceSession(str(path / f), so)
+            except Exception as e:  # a node the HTP refuses (CPU fallback is off): the CPU takes over
+                raise NpuUnavailable(f"the HTP refused {f} ({str(e).splitlines()[0][:160]}); re-export with: "
+                                     f"export-hybrid SOURCE {path} --profile {profile.name}") from None
         sessions.append(session)
     pipe = Pipeline(sessions, NPU_DEVICE, files)
     pipe.from_context = problem is None

@@ -252,6 +252,23 @@ def test_quantised_parity_is_relative_and_still_catches_a_frozen_conv_state(quan
     assert any("relative L2" in p for p in report.problems), report.line()
 
 
+def test_npu_profile_on_a_quantised_export_without_npu_parts_runs_on_the_cpu(quantized, htp_profile):
+    """Its CPU graphs cannot go to the HTP whole (MatMulNBits there takes 2-D inputs, refused): the
+    engine says so and runs on the CPU. A graph the HTP refuses is NpuUnavailable, never a crash."""
+    pytest.importorskip("onnxruntime_qnn")
+    from hybrid_npu.profiles.loader import load_profile
+    from hybrid_npu.runtime.npu_sessions import open_npu_pipeline
+    from hybrid_npu.runtime.qnn import NpuUnavailable
+
+    engine = hybrid_npu.load(quantized / "int8", profile=htp_profile)
+    assert "no NPU prefill graphs" in engine.notice and "npu_prefill" not in engine.pipelines
+    assert len(engine.generate(prompt(12), 3, stop_at_eos=False)) == 3
+    manifest = json.loads((quantized / "int8" / "model.json").read_text())
+    manifest["weights"]["mode"] = "float"  # forces the whole CPU prefill graph onto the HTP
+    with pytest.raises(NpuUnavailable, match="the HTP refused graphs/prefill.onnx"):
+        open_npu_pipeline(quantized / "int8", manifest, load_profile(htp_profile))
+
+
 def test_verify_graph_runs_quantised(quantized):
     """Speculating with the export's own greedy continuation: the verify graph (MatMulNBits over a
     token tree) accepts it and the output is the plain greedy output."""

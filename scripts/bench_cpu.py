@@ -29,6 +29,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_checkpoint import make_random_checkpoint  # noqa: E402
 
+from hybrid_npu.cli_common import OneLineParser  # noqa: E402
+
 
 def _memory_gb() -> dict:
     # PSS: the weights file is mapped once per session, so RSS counts its pages twice
@@ -73,20 +75,26 @@ def fresh_process(fn, *args):
         return pool.apply(fn, args)
 
 
-def export_mode(src: Path, out: Path, mode: str) -> Path:
-    """Export one weight mode: float, int8, int4, with optional -headN (--head-bits N) and -bN
-    (--block-size N), e.g. int4-head4-b128. Exported afresh every run: an export left by older
-    code would measure older graphs."""
-    from hybrid_npu.export.exporter import export
-
+def parse_mode(mode: str) -> tuple[str, dict]:
+    """A weight mode: float, int8, int4, with optional -headN (--head-bits N) and -bN (--block-size
+    N), e.g. int4-head4-b128 -> ("int4", {"head_bits": 4, "block_size": 128})."""
     weights, *options = mode.split("-")
     flags = {"head": "head_bits", "b": "block_size"}
     kw = {}
     for option in options:
         m = re.fullmatch(r"(head|b)(\d+)", option)
         if not m:
-            raise SystemExit(f"bench_cpu.py: unknown option {option!r} in weight mode {mode!r}; use -headN or -bN")
+            raise ValueError(f"unknown option {option!r} in weight mode {mode!r}; use -headN or -bN")
         kw[flags[m.group(1)]] = int(m.group(2))
+    return weights, kw
+
+
+def export_mode(src: Path, out: Path, mode: str) -> Path:
+    """Export one weight mode (parse_mode). Exported afresh every run: an export left by older
+    code would measure older graphs."""
+    from hybrid_npu.export.exporter import export
+
+    weights, kw = parse_mode(mode)
     t0 = time.perf_counter()
     export(src, out, chunk=128, force=True, weights=weights, **kw)
     print(f"exported {mode} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -126,7 +134,7 @@ def bench_llama_cpp(gguf: Path | None, threads: int, prefill: int, decode: int) 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/hybrid-npu-bench"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=512)
@@ -136,6 +144,11 @@ def main() -> int:
     ap.add_argument("--weights", default="float,int8,int4", help="comma-separated weight modes, one row each")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
+    for mode in args.weights.split(","):  # every mode checked before the first export starts
+        try:
+            parse_mode(mode)
+        except ValueError as e:
+            ap.error(str(e))
 
     src = make_random_checkpoint("0.8B", args.workdir / "qwen35-0.8b-random")
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 200_000, args.prefill)]

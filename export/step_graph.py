@@ -27,7 +27,7 @@ import onnx
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.kernels.attention import emit_gqa_attention
 from hybrid_npu.kernels.conv import emit_short_conv, emit_short_conv_step_cpu
-from hybrid_npu.kernels.delta_rule import emit_gated_delta
+from hybrid_npu.kernels.delta_rule import emit_gated_delta, emit_gated_delta_step
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import (emit_add_rmsnorm_1p_cpu, emit_gated_rmsnorm, emit_gated_rmsnorm_cpu,
                                       emit_rmsnorm_1p, emit_rmsnorm_1p_cpu)
@@ -192,8 +192,12 @@ class _Builder:
         decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
         if self.valid is not None:  # a padded token neither decays nor writes the state
             beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
-        o, S_after, (ck, cu, cg) = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t, self.strict,
-                                                    n=n, hk=hk, hv=hv, dk=dk, dv=dv, chain_state=not self.spec.tree)
+        if self.spec.cpu_kernels:  # one token: the recurrence itself, not the masked form
+            o, S_after = emit_gated_delta_step(g, q, kk, v, decay, beta, S, hk=hk, hv=hv, dk=dk, dv=dv)
+        else:
+            o, S_after, (ck, cu, cg) = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t,
+                                                        self.strict, n=n, hk=hk, hv=hv, dk=dk, dv=dv,
+                                                        chain_state=not self.spec.tree)
         if self.spec.tree:
             g.output(ck, f"commit_k.{i}", np.float32, [n, hv, dk])
             g.output(cu, f"commit_u.{i}", np.float32, [n, hv, dv])

@@ -172,3 +172,25 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
         S_after = g.op("Add", decayed, g.matmul(g.transpose(g.op("Mul", K, w), [0, 2, 1]), U))
     commit = (g.transpose(K, [1, 0, 2]), g.transpose(U, [1, 0, 2]), g.transpose(G, [1, 0]))
     return g.transpose(O, [1, 0, 2]), S_after, commit
+
+
+def emit_gated_delta_step(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: str, S: str, *,
+                          hk: int, hv: int, dk: int, dv: int) -> tuple[str, str]:
+    """One token, the recurrence itself (the CPU decode graph): returns (o [1, Hv, Dv], S_after).
+
+        k̂S, q̂S = one MatMul of [k̂; q̂] with S     u = β (v - e^g k̂S)
+        S_after = e^g S + k̂ uᵀ                     o = q̂·S_after = e^g q̂S + (q̂·k̂) u
+
+    The masked form at N = 1 spends ~50 nodes per layer on 1×1 masks and reads S twice; this
+    reads it once for both products."""
+    r = hv // hk
+    Q = g.reshape(_emit_repeat_heads(g, g.op("Mul", _emit_l2n(g, q), g.const(1.0 / math.sqrt(dk))), 1, hk, r, dk),
+                  [hv, 1, dk])
+    K = g.reshape(_emit_repeat_heads(g, _emit_l2n(g, k), 1, hk, r, dk), [hv, 1, dk])
+    eg = g.reshape(g.op("Exp", gate), [hv, 1, 1])  # the log decay is <= 0: no overflow
+    kS, qS = g.split(g.matmul(g.op("Concat", K, Q, axis=1), S), [1, 1], axis=1)  # [Hv, 1, Dv] each
+    u = g.op("Mul", g.reshape(beta, [hv, 1, 1]), g.op("Sub", g.reshape(v, [hv, 1, dv]), g.op("Mul", eg, kS)))
+    S_after = g.op("Add", g.op("Mul", eg, S), g.matmul(g.reshape(K, [hv, dk, 1]), u))
+    qk = g.op("ReduceSum", g.op("Mul", Q, K), g.ints([-1]), keepdims=1)  # [Hv, 1, 1]
+    o = g.op("Add", g.op("Mul", eg, qS), g.op("Mul", qk, u))
+    return g.reshape(o, [1, hv, dv]), S_after

@@ -79,6 +79,29 @@ def test_delta_rule_numpy_vs_transformers_vs_onnx(n):
     np.testing.assert_allclose(s_onnx, s_ref, atol=2e-5)
 
 
+def test_one_token_delta_step_matches_reference_and_transformers():
+    """The decode graph's own form (emit_gated_delta_step), stepped token by token with its state
+    fed back, against the token loop and transformers' recurrent kernel over the same 7 tokens."""
+    q, k, v, g, beta, S = gdn_inputs(7, seed=11)
+    o_ref, s_ref = delta_rule.gated_delta_recurrent_ref(*(x.astype(np.float64) for x in (q, k, v, g, beta, S)))
+    o_hf, s_hf = hf_delta(M5.torch_recurrent_gated_delta_rule, q, k, v, g, beta, S)
+    np.testing.assert_allclose(o_hf, o_ref, atol=2e-5)
+    gb = GraphBuilder("delta_step")
+    names = [gb.input(name, np.float32, shape) for name, shape in
+             (("q", [1, HK, DK]), ("k", [1, HK, DK]), ("v", [1, HV, DV]), ("g", [1, HV]), ("beta", [1, HV]),
+              ("S", [HV, DK, DV]))]
+    o, s_after = delta_rule.emit_gated_delta_step(gb, *names, hk=HK, hv=HV, dk=DK, dv=DV)
+    gb.output(o, "o", np.float32, [1, HV, DV])
+    gb.output(s_after, "S_out", np.float32, [HV, DK, DV])
+    state, outs = S, []
+    for t in range(7):
+        o_t, state = run_graph(gb, dict(q=q[t:t + 1], k=k[t:t + 1], v=v[t:t + 1], g=g[t:t + 1],
+                                        beta=beta[t:t + 1], S=state))
+        outs.append(o_t[0])
+    np.testing.assert_allclose(np.stack(outs), o_ref, atol=2e-5)
+    np.testing.assert_allclose(state, s_ref, atol=2e-5)
+
+
 def tree_parents():
     # 12 nodes in topological order, depth up to 5, several branches
     return [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 9, 4]

@@ -4,8 +4,9 @@ Random weights with the real Qwen3.5-0.8B text config (speed does not depend on 
 One row per weight mode (float = the fp32 export, int8 / int4 = export-hybrid --weights, with
 -headN / -bN for --head-bits / --block-size), each measured in a fresh process so its resident
 memory is its own; decode_session_gb is the decode session alone (the CPU's share when prefill
-runs on the NPU). Prints one JSON object; llama.cpp is added when a `llama-bench` binary and a
-GGUF are given.
+runs on the NPU); matmul_only is what the same export's MatMulNBits nodes alone reach
+(scripts/matmul_ceiling.py: the most any graph around them could). Prints one JSON object;
+llama.cpp is added when a `llama-bench` binary and a GGUF are given.
 
     python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
                                 [--weights float,int8,int4,int4-head4,int4-head4-b128] [--out FILE]
@@ -27,6 +28,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from matmul_ceiling import ceiling  # noqa: E402
 from random_checkpoint import make_random_checkpoint  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
@@ -164,6 +166,9 @@ def main() -> int:
         row = "hybrid_npu_cpu" if mode == "float" else f"hybrid_npu_cpu_{mode}"
         result[row] = fresh_process(bench_ours, export_mode(src, out, mode), args.threads, prompt, args.decode)
         result[row]["decode_session_gb"] = fresh_process(decode_session_gb, out)
+        if mode != "float":
+            bound = fresh_process(ceiling, out, args.threads)
+            result[row]["matmul_only"] = {part: bound[part]["tokens_per_s"] for part in ("prefill", "decode")}
     if not args.skip_transformers and "hybrid_npu_cpu" in result:
         result["transformers_eager"] = bench_transformers(src, args.threads, prompt, args.decode)
         ours, hf = result["hybrid_npu_cpu"], result["transformers_eager"]

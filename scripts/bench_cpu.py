@@ -3,10 +3,11 @@
 Random weights with the real Qwen3.5-0.8B text config (speed does not depend on the values).
 One row per weight mode (float = the fp32 export, int8 / int4 = export-hybrid --weights, with
 -headN / -bN for --head-bits / --block-size), each measured in a fresh process so its resident
-memory is its own; decode_session_gb is the decode session alone (the CPU's share when prefill
-runs on the NPU); matmul_only is what the same export's MatMulNBits nodes alone reach
-(scripts/matmul_ceiling.py: the most any graph around them could). Prints one JSON object;
-llama.cpp is added when a `llama-bench` binary and a GGUF are given.
+memory is its own (prefill the best of 2 runs, decode of 3: runs here vary by up to ±20%);
+decode_session_gb is the decode session alone (the CPU's share when prefill runs on the NPU);
+matmul_only is what the same export's MatMulNBits nodes alone reach (scripts/matmul_ceiling.py:
+the most any graph around them could). Prints one JSON object; llama.cpp is added when a
+`llama-bench` binary and a GGUF are given.
 
     python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
                                 [--weights float,int8,int4,int4-head4,int4-head4-b128] [--out FILE]
@@ -48,14 +49,19 @@ def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -
     load_s = time.perf_counter() - t0
     after_load = _memory_gb()  # the resident weights: quantised sessions hold their prepacked copies
     engine.prefill_logits(prompt[:16])  # warm-up
-    t0 = time.perf_counter()
-    engine.prefill_logits(prompt)
-    prefill_s = time.perf_counter() - t0
-    engine.generate(prompt[:16], decode, stop_at_eos=False)
+    prefill_s = float("inf")
+    for _ in range(2):  # the best run: this VM's slow spells last seconds (as matmul_ceiling's bound)
+        t0 = time.perf_counter()
+        engine.prefill_logits(prompt)
+        prefill_s = min(prefill_s, time.perf_counter() - t0)
+    decode_tps = 0.0
+    for _ in range(3):
+        engine.generate(prompt[:16], decode, stop_at_eos=False)
+        decode_tps = max(decode_tps, engine.last_stats["decode_tokens_per_s"])
     weights = engine.manifest["weights"]
     return {"weights": weights.get("mode", "float"), "weights_file_gb": round(weights["bytes"] / 1e9, 3),
             "load_s": round(load_s, 2), "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
-            "decode_tokens_per_s": round(engine.last_stats["decode_tokens_per_s"], 2),
+            "decode_tokens_per_s": round(decode_tps, 2),
             "after_load": after_load, **_memory_gb()}
 
 

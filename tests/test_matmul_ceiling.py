@@ -63,7 +63,7 @@ def test_rebuilt_matmuls_are_the_exports_own(text_tied, exports, mode, part):
 
 
 def test_ceiling_reports_both_steps_and_refuses_a_float_export(text_tied, exports, tmp_path):
-    report = matmul_ceiling.ceiling(exports / "int4", threads=1, repeats=2)
+    report = matmul_ceiling.ceiling(exports / "int4", threads=1, repeats=2, min_seconds=0)
     assert report["weights"] == "int4"
     for part, tokens in (("decode", 1), ("prefill", CHUNK)):
         step = report[part]

@@ -42,9 +42,10 @@ DRAFTER_DIR = "drafter"
 def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
     """prefill (chain, C tokens), decode (1 token), verify (a token tree of `verify` nodes:
     logits, commit tensors and taps for every node, for speculative decoding).
-    Only decode takes ORT's fused CPU kernels: measured on Qwen3.5-0.8B int4 head-4, decode 14.4 ->
-    17.5 tok/s (3,222 -> 2,089 nodes; README) with prefill unchanged (MatMulNBits dominates it),
-    and a plain prefill graph can still run whole on the NPU (runtime/npu_sessions.py)."""
+    Only decode takes ORT's fused CPU kernels and the one-token delta step: measured on Qwen3.5-0.8B
+    int4 head-4, decode 14.4 -> 17.5 tok/s for the kernels (3,222 -> 2,089 nodes; 1,675 with the
+    step; README) with prefill unchanged (MatMulNBits dominates it), and a plain prefill graph can
+    still run whole on the NPU (runtime/npu_sessions.py)."""
     return {"prefill": StepSpec(n=chunk), "decode": StepSpec(n=1, cpu_kernels=True),
             "verify": StepSpec(n=verify, tree=True, all_logits=True)}
 

@@ -46,8 +46,11 @@ def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
     int4 head-4, decode 14.4 -> 17.5 tok/s for the kernels (3,222 -> 2,089 nodes; 1,675 with the
     step; README) with prefill unchanged (MatMulNBits dominates it), and a plain prefill graph can
     still run whole on the NPU (runtime/npu_sessions.py)."""
-    return {"prefill": StepSpec(n=chunk), "decode": StepSpec(n=1, cpu_kernels=True),
-            "verify": StepSpec(n=verify, tree=True, all_logits=True)}
+    specs = {"prefill": StepSpec(n=chunk), "decode": StepSpec(n=1, cpu_kernels=True),
+             "verify": StepSpec(n=verify, tree=True, all_logits=True)}
+    if chunk > 1:  # the CPU runs prefill chunks and decode tokens through this one: one prepacked copy
+        specs["cpu"] = StepSpec(n=chunk, cpu_kernels=True, any_n=True)
+    return specs
 
 
 def state_layout(cfg: ModelConfig) -> list[dict]:

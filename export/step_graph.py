@@ -26,7 +26,7 @@ import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.kernels.attention import emit_gqa_attention
-from hybrid_npu.kernels.conv import emit_short_conv, emit_short_conv_step_cpu
+from hybrid_npu.kernels.conv import chain_state_select, emit_short_conv, emit_short_conv_step_cpu
 from hybrid_npu.kernels.delta_rule import emit_gated_delta, emit_gated_delta_step
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import (emit_add_rmsnorm_1p_cpu, emit_gated_rmsnorm, emit_gated_rmsnorm_cpu,
@@ -50,10 +50,15 @@ class StepSpec:
     npu: bool = False            # an NPU part: the HTP's MatMulNBits takes only 3-D inputs
     cpu_kernels: bool = False    # the decode graph (N = 1, CPU only): norms and the short conv as ONNX
     #                              Runtime's fused CPU kernels, contrib ops the HTP does not have
+    any_n: bool = False          # the CPU graph: one token (the decode graph's cores) or a chunk of n
+    #                              (the prefill graph's) per call, its N-specific cores under If and the
+    #                              weight matmuls outside, so one session prepacks the weights once
 
     def __post_init__(self):
-        if self.cpu_kernels and (self.n != 1 or self.tree or self.npu):
+        if self.cpu_kernels and (self.n != 1 and not self.any_n or self.tree or self.npu):
             raise ValueError("cpu_kernels is the one-token CPU decode graph's")
+        if self.any_n and not (self.cpu_kernels and self.n > 1 and not self.first_layer and self.end_layer is None):
+            raise ValueError("any_n is the whole CPU graph's, with cpu_kernels and a chunk n > 1")
 
     def layers(self, cfg: ModelConfig) -> range:
         return range(self.first_layer, cfg.num_layers if self.end_layer is None else self.end_layer)
@@ -64,6 +69,7 @@ class _Builder:
         self.cfg, self.plan, self.spec = cfg, plan, spec
         self.g = GraphBuilder(name)
         self.n = spec.n
+        self.rows = "n" if spec.any_n else spec.n  # N in the graph's I/O shapes
 
     def declare(self, stored: str) -> str:
         entry = self.plan.entries[stored]
@@ -107,12 +113,14 @@ class _Builder:
 
     # ---------------------------------------------------------------- graph
     def build(self) -> GraphBuilder:
-        c, g, n, spec = self.cfg, self.g, self.n, self.spec
+        c, g, n, spec = self.cfg, self.g, self.rows, self.spec
         layers = spec.layers(c)
         gdn_layers = [i for i in layers if c.layer_types[i] == LINEAR]
         attn_layers = [i for i in layers if c.layer_types[i] != LINEAR]
         if spec.first_layer == 0:
             ids = g.input("input_ids", np.int64, [n])
+            if spec.any_n:  # the one-token cores run when the call brings one token
+                self.one = g.op("Equal", g.op("Shape", ids, start=0, end=1), g.ints([1]))
             table = self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size))
             if not self.plan.quantizable:
                 x = g.op("Gather", self.w(table), ids, axis=0)
@@ -120,7 +128,11 @@ class _Builder:
                 x = g.op("Cast", g.op("Gather", self.declare(table), ids, axis=0), to=onnx.TensorProto.FLOAT)
         else:
             x = g.input("hidden_in", np.float32, [n, c.hidden_size])
-        self.valid = g.unsqueeze(g.input("token_valid", np.float32, [n]), [1]) if gdn_layers and n > 1 else None
+        self.valid = None
+        if gdn_layers and self.n > 1:
+            self.valid = g.unsqueeze(g.input("token_valid", np.float32, [n]), [1])
+            if spec.any_n:  # a one-token call need not feed it (its default: valid)
+                g.initializers["token_valid"] = np.ones(1, np.float32)
         if attn_layers:
             rd = c.rotary_dim
             self.cos = g.unsqueeze(g.input("rope_cos", np.float32, [n, rd]), [1])
@@ -162,13 +174,18 @@ class _Builder:
             self.mask, self.mask_t = g.const(causal), g.const(causal.T)
             self.strict = g.const(np.tril(causal, -1)) if n > 1 else None
             self.tree_select = None
-            self.state_select = g.input("conv_state_select", np.float32, [k - 1, k - 1 + n]) if n > 1 else None
+            self.state_select = None
+            if n > 1:
+                self.state_select = g.input("conv_state_select", np.float32,
+                                            [k - 1, "k_minus_1_plus_n" if self.spec.any_n else k - 1 + n])
+                if self.spec.any_n:  # a one-token call does not read it; the default keeps the feed optional
+                    g.initializers["conv_state_select"] = chain_state_select(1, 1, k)
 
     def gdn(self, h: str, i: int) -> str:
-        c, g, n = self.cfg, self.g, self.n
+        c, g, n = self.cfg, self.g, self.rows
         a = f"layers.{i}.linear_attn."
-        hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                             c.linear_value_head_dim, c.linear_conv_kernel_dim)
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        k = c.linear_conv_kernel_dim
         sources = [a + s + ".weight" for s in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
         if not self.plan.quantizable:
             qkv, z, b, a_in = self.linear(h, a + "in_proj_all", sources, c.hidden_size, [c.conv_dim, hv * dv, hv, hv])
@@ -179,26 +196,24 @@ class _Builder:
         conv_state = g.input(f"conv_state.{i}", np.float32, [c.conv_dim, k - 1])
         S = g.input(f"recurrent_state.{i}", np.float32, [hv, dk, dv])
         conv_w = self.w(self.plan.conv_weight(a + "conv1d.weight", c.conv_dim, k))
-        if self.spec.cpu_kernels:
-            y, new_conv = emit_short_conv_step_cpu(g, qkv, conv_state, conv_w)
-        else:
-            y, new_conv = emit_short_conv(g, qkv, conv_state, conv_w, n, k, self.state_select, self.tree_select)
-        q, kk, v = g.split(y, [c.key_dim, c.key_dim, c.value_dim], axis=-1)
-        q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
         beta = g.op("Sigmoid", b)
         # g = -exp(A_log) * softplus(a + dt_bias)
         a_in = g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv)))
         sp = g.op("Softplus", a_in) if self.spec.cpu_kernels else g.softplus(a_in)  # the CPU's own is exact
         decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
-        if self.valid is not None:  # a padded token neither decays nor writes the state
-            beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
-        if self.spec.cpu_kernels:  # one token: the recurrence itself, not the masked form
-            o, S_after = emit_gated_delta_step(g, q, kk, v, decay, beta, S, hk=hk, hv=hv, dk=dk, dv=dv)
+        core = (qkv, conv_state, conv_w, S, beta, decay)
+        if self.spec.any_n:
+            with g.capture() as one:
+                o1, conv1, S1, _ = self._gdn_core(*core, n=1, step=True)
+                o1 = g.reshape(o1, [1, hv * dv])
+            with g.capture() as chunk:
+                o2, conv2, S2, _ = self._gdn_core(*core, n=self.n, step=False)
+                o2 = g.reshape(o2, [self.n, hv * dv])
+            o, new_conv, S_after = g.if_(self.one, (one, [o1, conv1, S1]), (chunk, [o2, conv2, S2]))
         else:
-            o, S_after, (ck, cu, cg) = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t,
-                                                        self.strict, n=n, hk=hk, hv=hv, dk=dk, dv=dv,
-                                                        chain_state=not self.spec.tree)
+            o, new_conv, S_after, commit = self._gdn_core(*core, n=self.n, step=self.spec.cpu_kernels)
         if self.spec.tree:
+            ck, cu, cg = commit
             g.output(ck, f"commit_k.{i}", np.float32, [n, hv, dk])
             g.output(cu, f"commit_u.{i}", np.float32, [n, hv, dv])
             g.output(cg, f"commit_g.{i}", np.float32, [n, hv])
@@ -207,30 +222,68 @@ class _Builder:
             g.output(new_conv, f"conv_state_out.{i}", np.float32, [c.conv_dim, k - 1])
             g.output(S_after, f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
         norm_w = self.w(self.plan.vector(a + "norm.weight", dv))
-        if self.spec.cpu_kernels:
+        if self.spec.any_n:
+            normed = emit_gated_rmsnorm_cpu(g, o, z, norm_w, c.rms_norm_eps)
+        elif self.spec.cpu_kernels:
             normed = emit_gated_rmsnorm_cpu(g, g.reshape(o, [n, hv * dv]), z, norm_w, c.rms_norm_eps)
         else:
-            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), norm_w, c.rms_norm_eps), [n, hv * dv])
+            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), norm_w, c.rms_norm_eps),
+                               [n, hv * dv])
         return self.linear(normed, a + "out_proj", [a + "out_proj.weight"], hv * dv, [c.hidden_size])[0]
 
+    def _gdn_core(self, qkv, conv_state, conv_w, S, beta, decay, *, n: int, step: bool):
+        """The short conv and the delta rule over n tokens: (o [n, Hv, Dv], conv state out, S_after,
+        tree commit tensors). step: one token through the CPU's fused conv and the recurrence itself."""
+        c, g = self.cfg, self.g
+        hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                             c.linear_value_head_dim, c.linear_conv_kernel_dim)
+        if step:
+            y, new_conv = emit_short_conv_step_cpu(g, qkv, conv_state, conv_w)
+        else:
+            y, new_conv = emit_short_conv(g, qkv, conv_state, conv_w, n, k, self.state_select, self.tree_select)
+        q, kk, v = g.split(y, [c.key_dim, c.key_dim, c.value_dim], axis=-1)
+        q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
+        if step:  # one token: the recurrence itself, not the masked form
+            o, S_after = emit_gated_delta_step(g, q, kk, v, decay, beta, S, hk=hk, hv=hv, dk=dk, dv=dv)
+            return o, new_conv, S_after, None
+        if self.valid is not None:  # a padded token neither decays nor writes the state
+            beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
+        o, S_after, commit = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t, self.strict, n=n,
+                                              hk=hk, hv=hv, dk=dk, dv=dv, chain_state=not self.spec.tree)
+        return o, new_conv, S_after, commit
+
     def attention(self, h: str, i: int) -> str:
-        c, g, n = self.cfg, self.g, self.n
+        c, g, n = self.cfg, self.g, self.rows
         a = f"layers.{i}.self_attn."
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg, k, v = self.linear(h, a + "qkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                                c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
+        past = (g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd]),
+                g.input(f"past_value.{i}", np.float32, [nkv, PAST, hd]))
+        if self.spec.any_n:
+            with g.capture() as one:
+                r1 = self._attention_core(qg, k, v, *past, a, n=1)
+            with g.capture() as chunk:
+                r2 = self._attention_core(qg, k, v, *past, a, n=self.n)
+            gated, new_k, new_v = g.if_(self.one, (one, list(r1)), (chunk, list(r2)))
+        else:
+            gated, new_k, new_v = self._attention_core(qg, k, v, *past, a, n=self.n)
+        g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
+        g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
+        return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
+
+    def _attention_core(self, qg, k, v, past_k, past_v, a: str, *, n: int):
+        """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""
+        c, g = self.cfg, self.g
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q, gate = g.split(g.reshape(qg, [n, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (gotcha 2)
         q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), self.cos, self.sin, hd, c.rotary_dim)
         k = emit_partial_rope(g, self.norm1p(g.reshape(k, [n, nkv, hd]), a + "k_norm.weight", hd),
                               self.cos, self.sin, hd, c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [n, nkv, hd]), [1, 0, 2])
-        g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
-        g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
-        past_k = g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd])
-        past_v = g.input(f"past_value.{i}", np.float32, [nkv, PAST, hd])
         attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, self.attn_mask, n=n, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", g.reshape(attn, [n, nh * hd]), g.op("Sigmoid", g.reshape(gate, [n, nh * hd])))
-        return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
+        return gated, new_k, new_v
 
     def head(self, x: str) -> None:
         c, g, n = self.cfg, self.g, self.n

@@ -61,7 +61,8 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
     w = manifest["weights"]
     mode = w.get("mode", "float")
     kind = manifest["dtype"] if mode == "float" else f"{mode}, {manifest['dtype']} rest"
-    plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=2), int(manifest["chunk"]), memory_budget)
+    sessions = 1 if "cpu" in manifest["graphs"] else 2  # prefill + decode: one any-N session, or one each
+    plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=sessions), int(manifest["chunk"]), memory_budget)
     where = "--max-context-memory" if memory_budget else f"available now minus {MARGIN_BYTES >> 30} GiB"
     per_token = plan.kv_bytes_per_token + plan.scratch_bytes_per_token
     fits = max(plan.budget_bytes - plan.weights_bytes - plan.state_bytes, 0) // per_token if per_token else None

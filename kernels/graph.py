@@ -7,6 +7,7 @@ tricks, every shape static).
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 
 import numpy as np
 import onnx
@@ -68,6 +69,26 @@ class GraphBuilder:
         return self.const(np.asarray(values, dtype=np.int64), np.int64)
 
     # ---- nodes ----
+    @contextmanager
+    def capture(self):
+        """Nodes emitted inside the block are taken out of the graph into the yielded list (an If
+        branch's body). Constants and weights they declare stay this graph's initializers: a
+        branch reads them from the outer scope, so both branches share one copy."""
+        start, body = len(self.nodes), []
+        yield body
+        body.extend(self.nodes[start:])
+        del self.nodes[start:]
+
+    def if_(self, cond: str, then: tuple[list, list[str]], otherwise: tuple[list, list[str]]) -> list[str]:
+        """If(cond) over two captured bodies, each (nodes, output names); returns the outputs."""
+        def branch(kind, nodes, outs):
+            return helper.make_graph(nodes, self.fresh(kind), [],
+                                     [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
+        outs = [self.fresh("if") for _ in then[1]]
+        self.nodes.append(helper.make_node("If", [cond], outs, name=outs[0], then_branch=branch("then", *then),
+                                           else_branch=branch("else", *otherwise)))
+        return outs
+
     def op(self, op_type: str, *inputs: str, n_out: int = 1, omit: tuple[int, ...] = (), **attrs):
         """omit: indices of optional outputs left unnamed (not computed); the rest are returned."""
         outs = ["" if i in omit else self.fresh(op_type.lower()) for i in range(n_out)]
@@ -139,7 +160,13 @@ class GraphBuilder:
             inits.append(t)
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, inits)
         opsets = [helper.make_opsetid("", self.opset)]
-        if any(node.domain == MS_DOMAIN for node in self.nodes):
+        def every(nodes):  # If branches included
+            for node in nodes:
+                yield node
+                for attr in node.attribute:
+                    if attr.type == onnx.AttributeProto.GRAPH:
+                        yield from every(attr.g.node)
+        if any(node.domain == MS_DOMAIN for node in every(self.nodes)):
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="hybrid-npu")
         model.ir_version = 10

@@ -71,9 +71,15 @@ class Engine:
         self.chunk = int(self.manifest["chunk"])
         self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max
         self.prefill_mode = prefill
+        graphs, opened = self.manifest["graphs"], {}
+
         def open_cpu(name: str) -> Pipeline:
-            return Pipeline([cpu_session(self.path / self.manifest["graphs"][name]["file"], self.manifest, threads)],
-                            CPU_DEVICE)
+            # prefill and decode share the export's any-N CPU graph where it has one: one session,
+            # so the quantised weights are prepacked once (older exports: a session each)
+            file = graphs["cpu" if name in ("prefill", "decode") and "cpu" in graphs else name]["file"]
+            if file not in opened:
+                opened[file] = Pipeline([cpu_session(self.path / file, self.manifest, threads)], CPU_DEVICE)
+            return opened[file]
 
         self.pipelines = LazyPipelines(open_cpu, self.manifest["graphs"], eager=("prefill", "decode"))
         self.notice: str | None = None
@@ -85,8 +91,9 @@ class Engine:
         if drafter is not None and verify is None:
             raise UserError(f"{self.path} has no tree-verify graph for speculative decoding; re-export it with: "
                             f"export-hybrid SOURCE {self.path} --drafter DRAFTER")
-        # CPU sessions holding weights: prefill and decode now, verify once speculation runs there
-        cpu_sessions = 2 + (self.drafter is not None and "npu_verify" not in self.pipelines)
+        # CPU sessions holding weights: prefill and decode now (one when they share the any-N graph),
+        # verify once speculation runs there
+        cpu_sessions = len(opened) + (self.drafter is not None and "npu_verify" not in self.pipelines)
         self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
                                   self.chunk, memory or self.profile.memory_budget_bytes or None)
         # EAGLE-2 tree shape (research/eagle3.md §1.6), unless the export records the shape measured

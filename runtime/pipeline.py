@@ -32,7 +32,8 @@ def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.Inferen
 class Pipeline:
     def __init__(self, sessions: list[ort.InferenceSession], device: str, files: list[str] | None = None):
         self.sessions, self.device, self.files = sessions, device, files or []
-        self._inputs = [{i.name for i in s.get_inputs()} for s in sessions]
+        # overridable initializers: inputs with a default (the any-N graph's chunk-only inputs)
+        self._inputs = [{i.name for i in (*s.get_inputs(), *s.get_overridable_initializers())} for s in sessions]
         self._outputs = [[o.name for o in s.get_outputs()] for s in sessions]
 
     def run(self, feed: dict[str, np.ndarray], on_part=None) -> dict[str, np.ndarray]:

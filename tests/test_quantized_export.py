@@ -342,9 +342,9 @@ class AnyDrafter:
 
 
 def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
-    """The engine's memory plan counts the quantised weights file plus the second CPU session's
-    prepacked copy of the MatMulNBits matrices (prefill and decode each pack their own), so the
-    same budget still holds more context than the fp32 export's."""
+    """The engine's memory plan counts the quantised weights file (prefill and decode share one CPU
+    session, the any-N graph), plus the verify session's own prepacked copy of the MatMulNBits
+    matrices once speculation runs on the CPU; the same budget holds more context than fp32's."""
     import hybrid_npu
 
     fp32 = hybrid_npu.load(text_tied.out)
@@ -358,10 +358,10 @@ def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
         assert packed == matmul_nbits_bytes(path / "graphs" / "decode.onnx") > 0
         file = (path / "graphs" / "weights.bin").stat().st_size
         report = hybrid_npu.load(path, memory=budget).memory_report()
-        assert report["weights_bytes"] == file + packed
+        assert report["weights_bytes"] == file
         plans[mode] = report["max_context"]
         speculating = hybrid_npu.load(path, memory=budget, drafter=AnyDrafter()).memory_report()
-        assert speculating["weights_bytes"] == file + 2 * packed  # verify: a third CPU session
+        assert speculating["weights_bytes"] == file + packed  # verify: a second CPU session
     assert plans["float"] < plans["int8"] < plans["int4"]
 
 

@@ -38,9 +38,10 @@ def resident_weight_bytes(weights: dict, cpu_sessions: int) -> int:
     """What the weights hold in RAM with `cpu_sessions` CPU sessions open: weights.bin (mapped once,
     shared), plus for a quantised export one more copy of its MatMulNBits matrices per session
     beyond the first, since ONNX Runtime prepacks them per session (the first session's copy stands
-    in for the file pages it read). Measured on Qwen3.5-0.8B with prefill + decode open (PSS after
-    load vs this): int8 2.11 vs 2.21 GB, int4 1.61 vs 1.71, int4 head-4 1.35 vs 1.46, int4 head-4
-    block-128 0.98 vs 1.31: a little more than measured, never less."""
+    in for the file pages it read). Measured on Qwen3.5-0.8B (PSS after load vs this), prefill and
+    decode in one any-N session: int8 1.16 vs 1.36 GB, int4 0.91 vs 1.11, int4 head-4 0.78 vs 0.99,
+    int4 head-4 block-128 0.55 vs 0.92; in two sessions: int8 2.11 vs 2.21, int4 1.61 vs 1.71, int4
+    head-4 block-128 0.98 vs 1.31. A little more than measured, never less."""
     return int(weights["bytes"]) + max(cpu_sessions - 1, 0) * int(weights.get("prepacked_bytes", 0))
 
 

@@ -4,10 +4,11 @@ Random weights with the real Qwen3.5-0.8B text config (speed does not depend on 
 One row per weight mode (float = the fp32 export, int8 / int4 = export-hybrid --weights, with
 -headN / -bN for --head-bits / --block-size), each measured in a fresh process so its resident
 memory is its own (prefill the best of 2 runs, decode of 3: runs here vary by up to ±20%);
-decode_session_gb is the decode session alone (the CPU's share when prefill runs on the NPU);
-matmul_only is what the same export's MatMulNBits nodes alone reach (scripts/matmul_ceiling.py:
-the most any graph around them could). Prints one JSON object; llama.cpp is added when a
-`llama-bench` binary and a GGUF are given.
+decode_session_gb is a session of decode.onnx alone (the engine runs decode, and on a CPU-only
+machine prefill too, in one session of the any-N cpu.onnx: after_load); matmul_only is what the
+same export's MatMulNBits nodes alone reach (scripts/matmul_ceiling.py: the most any graph
+around them could). Prints one JSON object; llama.cpp is added when a `llama-bench` binary and a
+GGUF are given.
 
     python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
                                 [--weights float,int8,int4,int4-head4,int4-head4-b128] [--out FILE]
@@ -66,7 +67,7 @@ def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -
 
 
 def decode_session_gb(export_dir: Path) -> float:
-    """PSS the decode session alone adds: the CPU's whole share where prefill runs on the NPU."""
+    """PSS a session of the one-token decode graph alone adds."""
     from hybrid_npu.runtime.pipeline import cpu_session
 
     manifest = json.loads((export_dir / "model.json").read_text())

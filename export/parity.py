@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import numpy_helper
 
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.runtime.pipeline import cpu_session
+from hybrid_npu.runtime.pipeline import Pipeline, cpu_session
 from hybrid_npu.runtime.state import State
 from hybrid_npu.runtime.step_inputs import chain_feed, commit_chain
 
@@ -155,11 +154,8 @@ def check_weights(export_dir: Path, manifest: dict, report: ParityReport) -> Non
 
 # ---------------------------------------------------------------- graphs
 
-def _advance(session: ort.InferenceSession, cfg: ModelConfig, state: State, ids: list[int], n: int) -> np.ndarray:
-    names = [o.name for o in session.get_outputs()]
-    wanted = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
-    feed = {k: v for k, v in chain_feed(cfg, state, ids, n).items() if k in wanted}
-    out = dict(zip(names, session.run(names, feed)))
+def _advance(pipe: Pipeline, cfg: ModelConfig, state: State, ids: list[int], n: int) -> np.ndarray:
+    out = pipe.run(chain_feed(cfg, state, ids, n))
     commit_chain(state, out, ids)
     return out["logits"][0]
 
@@ -195,9 +191,9 @@ def _check_pair(export_dir: Path, manifest: dict, report: ParityReport, chunk_fi
     k = report.tokens = min(TOKENS, graphs["prefill"]["n"])
     ids = [(1 + 7919 * i) % cfg.vocab_size for i in range(k)]  # fixed, spread over the vocabulary
     chunked, stepped = State.fresh(cfg), State.fresh(cfg)
-    chunk_session = cpu_session(export_dir / chunk_file, manifest)
-    prefill_logits = _advance(chunk_session, cfg, chunked, ids, graphs["prefill"]["n"])
-    decode = chunk_session if step_file == chunk_file else cpu_session(export_dir / step_file, manifest)
+    chunk_pipe = Pipeline([cpu_session(export_dir / chunk_file, manifest)], "CPU")
+    prefill_logits = _advance(chunk_pipe, cfg, chunked, ids, graphs["prefill"]["n"])
+    decode = chunk_pipe if step_file == chunk_file else Pipeline([cpu_session(export_dir / step_file, manifest)], "CPU")
     for t in ids:
         decode_logits = _advance(decode, cfg, stepped, [t], 1)
     if not (np.isfinite(prefill_logits).all() and np.isfinite(decode_logits).all()):

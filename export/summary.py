@@ -13,6 +13,7 @@ from pathlib import Path
 from hybrid_npu.cli_common import human_bytes as human
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.runtime.memory import MARGIN_BYTES, plan_memory, resident_weight_bytes
+from hybrid_npu.runtime.pipeline import cpu_graph
 
 def _tree_size(path: Path) -> tuple[int, int]:
     files = [f for f in path.rglob("*") if f.is_file()]
@@ -61,7 +62,7 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
     w = manifest["weights"]
     mode = w.get("mode", "float")
     kind = manifest["dtype"] if mode == "float" else f"{mode}, {manifest['dtype']} rest"
-    sessions = 1 if "cpu" in manifest["graphs"] else 2  # prefill + decode: one any-N session, or one each
+    sessions = len({cpu_graph(manifest["graphs"], step) for step in ("prefill", "decode")})  # the engine's at load
     plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=sessions), int(manifest["chunk"]), memory_budget)
     where = "--max-context-memory" if memory_budget else f"available now minus {MARGIN_BYTES >> 30} GiB"
     per_token = plan.kv_bytes_per_token + plan.scratch_bytes_per_token

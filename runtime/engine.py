@@ -21,7 +21,7 @@ from hybrid_npu.profiles.loader import load_profile
 
 from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
-from .pipeline import Pipeline, cpu_session
+from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
 from .sampling import choose
 from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
@@ -73,10 +73,8 @@ class Engine:
         self.prefill_mode = prefill
         graphs, opened = self.manifest["graphs"], {}
 
-        def open_cpu(name: str) -> Pipeline:
-            # prefill and decode share the export's any-N CPU graph where it has one: one session,
-            # so the quantised weights are prepacked once (older exports: a session each)
-            file = graphs["cpu" if name in ("prefill", "decode") and "cpu" in graphs else name]["file"]
+        def open_cpu(name: str) -> Pipeline:  # one session per graph file (cpu_graph: a shared one)
+            file = graphs[cpu_graph(graphs, name)]["file"]
             if file not in opened:
                 opened[file] = Pipeline([cpu_session(self.path / file, self.manifest, threads)], CPU_DEVICE)
             return opened[file]

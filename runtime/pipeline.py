@@ -9,6 +9,12 @@ import numpy as np
 import onnxruntime as ort
 
 
+def cpu_graph(graphs: dict, name: str) -> str:
+    """The export graph a CPU step `name` runs: prefill and decode share the any-N "cpu" graph
+    where the export has one (one session, so its quantised weights are prepacked once)."""
+    return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
+
+
 def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
     """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
     opts = ort.SessionOptions()

@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from hybrid_npu.chat_files import stop_token_ids
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 
@@ -25,7 +26,7 @@ from .safetensors_io import SafetensorsFile
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Checkpoint:
         return h.hexdigest()
 
 
-def _text_config(raw: dict) -> dict:
+def text_config(raw: dict) -> dict:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -73,20 +74,8 @@ def _rope(text: dict) -> tuple[float, float]:
     return float(theta), float(factor)
 
 
-def _eos_ids(path: Path, raw: dict, text: dict) -> tuple[int, ...]:
-    eos = None
-    gen = path / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
 def parse_config(path: Path, raw: dict) -> ModelConfig:
-    text = _text_config(raw)
+    text = text_config(raw)
     try:
         n_layers = int(text["num_hidden_layers"])
         layer_types = text.get("layer_types")
@@ -111,7 +100,7 @@ def parse_config(path: Path, raw: dict) -> ModelConfig:
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
             rope_theta=theta, partial_rotary_factor=factor, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(tie), max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-            eos_token_ids=_eos_ids(path, raw, text),
+            eos_token_ids=stop_token_ids(path, raw, text)[0],
         )
     except KeyError as e:
         raise UserError(f"{path / 'config.json'}: missing key {e.args[0]!r}; is this a Qwen3.5 config?") from None

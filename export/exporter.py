@@ -16,13 +16,14 @@ from typing import Callable
 import numpy as np
 import onnx
 
+from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.npu_sessions import NPU_GRAPHS
 
-from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint
+from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
 from .manifest import FORMAT, MANIFEST, is_export, value_infos
@@ -268,9 +269,8 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
         if (ck.path / f).exists():
             shutil.copy2(ck.path / f, tmp / f)
             tokenizer_files.append(f)
-    chat_template = None
-    if (tmp / "tokenizer_config.json").exists():
-        chat_template = json.loads((tmp / "tokenizer_config.json").read_text()).get("chat_template")
+    chat_template, template_file = chat_files.chat_template(tmp)
+    _, stop_sources = chat_files.stop_token_ids(ck.path, ck.raw_config, text_config(ck.raw_config))
     manifest = {
         "format": FORMAT,
         "source": {"path": str(ck.path.resolve()), "model_type": ck.model_type, "fingerprint": ck.fingerprint(),
@@ -285,7 +285,9 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
                     **({"prepacked_bytes": plan.prepacked_bytes()} if quant else {})},
         "state": {"layers": state_layout(cfg), "state_bytes": cfg.state_bytes(),
                   "kv_bytes_per_token": cfg.kv_bytes_per_token(), "tap_layers": list(cfg.tap_layers)},
-        "tokenizer": {"files": tokenizer_files, "chat_template": chat_template},
+        "tokenizer": {"files": tokenizer_files, "chat_template": chat_template, "chat_template_file": template_file,
+                      "stop_token_ids": list(cfg.eos_token_ids), "stop_token_sources": stop_sources},
+        "generation": chat_files.sampling_defaults(tmp),  # the chat defaults (generation_config.json)
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest

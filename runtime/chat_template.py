@@ -10,6 +10,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from hybrid_npu.chat_files import chat_template, read_json
 from hybrid_npu.errors import UserError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -23,14 +24,6 @@ def _template_error(message: str):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _pick(template):
-    """tokenizer_config.json may hold one template or a list of named ones; chat uses "default"."""
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        return named.get("default")
-    return template
 
 
 def _token_text(value):
@@ -61,30 +54,30 @@ class ChatTemplate:
         return "enable_thinking" in self.source
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               enable_thinking: bool | None = None) -> str:
+               enable_thinking: bool | None = None, tools: list[dict] | None = None) -> str:
+        """As transformers' apply_chat_template(messages, tools=tools, ...): tools are OpenAI-style
+        function specs, passed to the template as they are."""
         import jinja2
 
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens, **extra)
+                                         tools=tools or None, documents=None, **self.special_tokens, **extra)
         except jinja2.TemplateError as e:
             raise UserError(f"{self.origin} refused the conversation: {e}") from None
 
     @classmethod
     def from_export(cls, path) -> "ChatTemplate":
-        """model.json's copy first (what the exporter recorded), else tokenizer_config.json, else
-        chat_template.jinja (the newer Hugging Face layout)."""
+        """model.json's copy first (what the exporter chose, by transformers 5's precedence), else
+        the export's own files by that precedence (exports made before the manifest recorded it)."""
         path = Path(path)
-        tok_cfg = {}
-        if (path / "tokenizer_config.json").exists():
-            tok_cfg = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        tok_cfg = read_json(path / "tokenizer_config.json", "tokenizer_config.json") or {}
         manifest = json.loads((path / "model.json").read_text(encoding="utf-8"))
-        source = _pick((manifest.get("tokenizer") or {}).get("chat_template")) or _pick(tok_cfg.get("chat_template"))
-        if not source and (path / "chat_template.jinja").exists():
-            source = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        tokenizer = manifest.get("tokenizer") or {}
+        source = tokenizer.get("chat_template")
+        source = source if isinstance(source, str) else chat_template(path)[0]
         if not source:
-            raise UserError(f"{path} has no chat template (tokenizer_config.json has no chat_template); "
-                            "re-export from a checkpoint whose tokenizer has one")
+            raise UserError(f"{path} has no chat template (no chat_template.jinja, and tokenizer_config.json has no "
+                            "chat_template); re-export from a checkpoint whose tokenizer has one")
         special = {k: _token_text(tok_cfg[k]) for k in SPECIAL_TOKEN_KEYS if _token_text(tok_cfg.get(k))}
         return cls(source, special, origin=f"the chat template of {path}")

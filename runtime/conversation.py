@@ -2,9 +2,12 @@
 of it the engine has not seen yet, streaming text, and save/load of the whole conversation.
 
 Each turn renders the whole conversation and tokenizes it. When the engine's context (every token
-it holds) is a prefix of that, only the rest is prefilled; otherwise (an edited system prompt, a
-template that rewrites earlier turns, a reply that tokenizes differently when re-read) the context
-starts over and the whole conversation is prefilled.
+it holds) is a prefix of that, only the rest is prefilled. Otherwise (Qwen3.5's template drops
+earlier replies' <think> blocks, an edited system prompt, a reply that tokenizes differently when
+re-read) the engine goes back to its latest turn checkpoint before the point where the two part,
+and prefills from there. Each turn keeps two checkpoints: where the next turn's render will part
+from this one (found by rendering the conversation with a stand-in reply and a next message), and
+the prompt's end before its last token (a regenerated reply prefills one token).
 
 /save writes the engine snapshot (safetensors, see snapshot.py) to FILE and the messages to the
 sidecar FILE.json, which records the snapshot's sha256 so a mismatched pair is refused.
@@ -21,6 +24,8 @@ from typing import Callable
 from hybrid_npu.errors import UserError
 
 from .chat_template import ChatTemplate
+from .checkpoints import common_prefix
+from .tool_calls import check_tools, parse_tool_calls
 
 CHAT_FORMAT = "hybrid-npu-chat/1"
 
@@ -28,9 +33,9 @@ CHAT_FORMAT = "hybrid-npu-chat/1"
 @dataclass
 class Sampling:
     max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the model's default (engine.sampling_defaults)
+    top_k: int | None = None
+    top_p: float | None = None
     seed: int | None = None
     speculative: bool | None = None  # None: speculate when the model has a drafter
     stop_at_eos: bool = True
@@ -43,13 +48,7 @@ class Reply:
     stopped: bool                  # cut short by should_stop (Ctrl-C)
     reused_tokens: int             # context tokens kept instead of prefilled again
     stats: dict = field(default_factory=dict)
-
-
-def remaining(context: list[int], full: list[int]) -> list[int] | None:
-    """The tokens of `full` after `context` when `context` is a proper prefix of it; None: start over."""
-    if context and len(full) > len(context) and full[: len(context)] == context:
-        return full[len(context):]
-    return None
+    tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments"} the reply asks for
 
 
 class StreamDecoder:
@@ -79,10 +78,13 @@ def require_tokenizer(engine) -> None:
         raise UserError(f"{engine.path} has no tokenizer.json; re-export from a checkpoint that has one")
 
 
-def encode_turns(engine, template: ChatTemplate, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+def encode_turns(engine, template: ChatTemplate, messages: list[dict], enable_thinking: bool | None = None,
+                 tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
     """The messages rendered by the template (ending in the assistant's cue), as token ids."""
-    text = template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                           tools=tools)
     return engine.tokenizer.encode(text, add_special_tokens=False).ids
+
 
 
 def generate_streamed(engine, ids: list[int], max_new_tokens: int, on_text: Callable[[str], None] | None = None,
@@ -117,7 +119,7 @@ def sidecar(path) -> Path:
 
 class Conversation:
     def __init__(self, engine, template: ChatTemplate | None = None, system: str | None = None,
-                 enable_thinking: bool | None = None):
+                 enable_thinking: bool | None = None, tools: list[dict] | None = None):
         require_tokenizer(engine)
         self.engine = engine
         self.template = template or ChatTemplate.from_export(engine.path)
@@ -125,6 +127,7 @@ class Conversation:
             raise UserError("this model's chat template has no thinking switch (enable_thinking); "
                             "drop --think/--no-think")
         self.enable_thinking = enable_thinking
+        self.tools = check_tools(tools) if tools is not None else None
         self.messages: list[dict] = []
         self.set_system(system)
 
@@ -134,10 +137,11 @@ class Conversation:
         return self.messages[0]["content"] if self.messages and self.messages[0]["role"] == "system" else None
 
     def set_system(self, text: str | None) -> None:
-        """Replace the system prompt (None or "": none); the turns so far stay."""
+        """Replace the system prompt (None: none; "" keeps an empty one, as transformers renders it);
+        the turns so far stay."""
         if self.system is not None:
             self.messages.pop(0)
-        if text:
+        if text is not None:
             self.messages.insert(0, {"role": "system", "content": text})
 
     def reset(self) -> None:
@@ -147,24 +151,38 @@ class Conversation:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation rendered by the template (ending in the assistant's cue), as token ids."""
-        return encode_turns(self.engine, self.template, messages, self.enable_thinking)
+        return encode_turns(self.engine, self.template, messages, self.enable_thinking, self.tools)
+
+    def render(self, messages: list[dict] | None = None) -> str:
+        """The exact prompt the model is given for `messages` (default: the conversation so far)."""
+        return self.template.render(self.messages if messages is None else messages, add_generation_prompt=True,
+                                    enable_thinking=self.enable_thinking, tools=self.tools)
+
+    def _departure(self, messages: list[dict], full: list[int]) -> int:
+        """Where the next turn's render will part from `full`: the template re-renders this turn's
+        reply as history (Qwen3.5's drops its <think> block), so render a stand-in reply and next
+        message and see where the tokens first differ."""
+        probe = messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+        return common_prefix(full, encode_turns(self.engine, self.template, probe, self.enable_thinking, self.tools,
+                                                add_generation_prompt=False))
 
     # ---------------------------------------------------------------- a turn
-    def reply(self, user_text: str, sampling: Sampling, on_text: Callable[[str], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> Reply:
-        """Add the user's message, generate the assistant's reply (streamed to on_text), keep both.
-        A reply cut short by should_stop is kept as it is."""
-        messages = self.messages + [{"role": "user", "content": user_text}]
+    def reply(self, text: str, sampling: Sampling, on_text: Callable[[str], None] | None = None,
+              should_stop: Callable[[], bool] | None = None, role: str = "user") -> Reply:
+        """Add the user's message (role "tool": a tool's result), generate the assistant's reply
+        (streamed to on_text), keep both. A reply cut short by should_stop is kept as it is."""
+        messages = self.messages + [{"role": role, "content": text}]
         full = self.prompt_ids(messages)
-        rest = remaining(self.engine.context_ids(), full)
-        ids = generate_streamed(self.engine, full if rest is None else rest, sampling.max_new_tokens, on_text,
+        kept = self.engine.resume(full)  # keeps, or goes back to a checkpoint, or starts over
+        marks = (self._departure(messages, full), len(full) - 1)
+        ids = generate_streamed(self.engine, full[kept:], sampling.max_new_tokens, on_text,
                                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, append=rest is not None,
-                                speculative=sampling.speculative, should_stop=should_stop)
-        text = self.engine.tokenizer.decode(ids)
-        self.messages = messages + [{"role": "assistant", "content": text}]
-        return Reply(text, ids, bool(should_stop and should_stop()),
-                     0 if rest is None else len(full) - len(rest), dict(self.engine.last_stats))
+                                seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, append=True,
+                                speculative=sampling.speculative, should_stop=should_stop, checkpoint_at=marks)
+        reply = self.engine.tokenizer.decode(ids)
+        self.messages = messages + [{"role": "assistant", "content": reply}]
+        _, calls = parse_tool_calls(reply, self.tools) if self.tools else ("", [])
+        return Reply(reply, ids, bool(should_stop and should_stop()), kept, dict(self.engine.last_stats), calls)
 
     # ---------------------------------------------------------------- save / load
     def save(self, path) -> Path:

@@ -87,6 +87,12 @@ class Eagle3Drafter:
         self._logits = None        # [Vd] its draft logits (level 1 of the next tree)
         self._last_token = None
 
+    def rewind(self, length: int) -> None:
+        """Forget the positions from `length` on (the target went back to a turn checkpoint); the
+        next observe() recomputes the draft distribution from there."""
+        self.length = min(self.length, int(length))
+        self._hidden = self._logits = self._last_token = None
+
     def _ensure(self, need: int) -> None:
         cap = self.key.shape[1]
         if need <= cap:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from hybrid_npu.chat_files import sampling_defaults
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.profiles.loader import load_profile
@@ -23,7 +24,8 @@ from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
-from .sampling import choose
+from .sampling import choose, model_defaults
+from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, common_prefix
 from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
@@ -58,7 +60,7 @@ class LazyPipelines(dict):
 
 class Engine:
     def __init__(self, path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None,
-                 memory: int | None = None, drafter=None):
+                 memory: int | None = None, drafter=None, checkpoints: int = DEFAULT_MAX_CHECKPOINTS):
         self.path = Path(path)
         manifest_file = self.path / MANIFEST
         if not manifest_file.exists():
@@ -84,6 +86,8 @@ class Engine:
         if self.profile.has_npu and prefill != "cpu":
             self._open_npu()
         self.tokenizer = self._load_tokenizer()
+        generation = self.manifest.get("generation")  # exports before it was recorded: their own file
+        self.sampling_defaults = model_defaults(sampling_defaults(self.path) if generation is None else generation)
         verify = self.manifest["graphs"].get("verify")  # exports before speculation have none
         self.drafter = self._open_drafter(drafter, threads) if verify else None  # reset/observe/propose
         if drafter is not None and verify is None:
@@ -92,8 +96,11 @@ class Engine:
         # CPU sessions holding weights: prefill and decode now (one when they share the any-N graph),
         # verify once speculation runs there
         cpu_sessions = len(opened) + (self.drafter is not None and "npu_verify" not in self.pipelines)
+        if checkpoints < 0:
+            raise UserError(f"checkpoints={checkpoints}: give 0 (none) or more")
+        self.checkpoints = Checkpoints(checkpoints)
         self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
-                                  self.chunk, memory or self.profile.memory_budget_bytes or None)
+                                  self.chunk, memory or self.profile.memory_budget_bytes or None, checkpoints)
         # EAGLE-2 tree shape (research/eagle3.md §1.6), unless the export records the shape measured
         # best for its drafter (scripts/build_embedded_model.py does)
         shape = self.manifest.get("drafter", {}).get("draft_shape", {"top_k": 4, "depth": 6, "total_tokens": 1 << 30})
@@ -148,6 +155,7 @@ class Engine:
         self.state = State.fresh(self.config, KV_BLOCK)
         self._pending: list[int] = []
         self._tap_pending: np.ndarray | None = None
+        self.checkpoints.clear()
         if getattr(self, "drafter", None) is not None:
             self.drafter.reset()
 
@@ -209,26 +217,71 @@ class Engine:
             return False
         return self.prefill_mode == "npu" or n_tokens >= self.profile.npu_prefill_min_tokens
 
-    def prefill(self, ids: list[int], progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def prefill(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
+                checkpoint_at=()) -> np.ndarray:
         """Append `ids` to the context in chunks of C; returns the logits after the last one.
-        Chunks go to the NPU when the profile says so and the planned K/V capacity has room."""
+        Chunks go to the NPU when the profile says so and the planned K/V capacity has room.
+        checkpoint_at: context positions at which to keep a turn checkpoint (a chunk ends there)."""
         if not ids:
             raise UserError("empty prompt: give at least one token")
         self._check_fits(len(ids))
         logits, devices = None, []
         npu = self._wants_npu(len(ids))
-        for start in range(0, len(ids), self.chunk):
+        base = self.state.position
+        marks = sorted({m - base for m in checkpoint_at if base <= m < base + len(ids)})
+        start = 0
+        while start < len(ids):
+            if marks and marks[0] == start:
+                self.take_checkpoint()
+                marks.pop(0)
+            end = min(start + self.chunk, len(ids), *marks[:1])
             on_npu = npu and self._npu_fits()
             if on_npu and self.state.capacity != self.profile.attention_capacity:
                 self.state.resize(self.profile.attention_capacity)  # the NPU graphs read exactly T_max rows
             devices.append(NPU_DEVICE if on_npu else CPU_DEVICE)
-            logits = self._step("npu_prefill" if on_npu else "prefill", list(ids[start: start + self.chunk]))
+            logits = self._step("npu_prefill" if on_npu else "prefill", list(ids[start:end]))
+            start = end
             if progress:
-                progress(min(start + self.chunk, len(ids)), len(ids))
+                progress(end, len(ids))
         self._prefill_devices = "+".join(dict.fromkeys(devices))
         if self.state.capacity > self.state.position + 2 * KV_BLOCK:  # back from T_max: CPU decode reads
             self.state.resize((self.state.position // KV_BLOCK + 1) * KV_BLOCK)  # every row it is given
         return logits
+
+    # ---------------------------------------------------------------- turn checkpoints
+    def take_checkpoint(self) -> None:
+        """Keep a copy of the state at the current position (the memory plan counts the limit)."""
+        if self._pending:
+            raise ValueError("take_checkpoint: the last reply's final token is not in the state yet")
+        length = getattr(self.drafter, "length", None) if self.drafter is not None else None
+        self.checkpoints.add(Checkpoint.take(self.state, self._tap_pending, length))
+
+    def resume(self, prompt_ids: list[int]) -> int:
+        """Make the context a prefix of `prompt_ids` as cheaply as it can: keep it when it already is
+        one, else go back to the latest checkpoint at or before where the two part (at least one
+        prompt token is left to prefill, for its logits), else start over. Returns how many prompt
+        tokens are in the context now: generate(prompt_ids[kept:], append=True) continues."""
+        context = self.context_ids()
+        common = common_prefix(context, prompt_ids)
+        if common == len(context) < len(prompt_ids):
+            return common
+        checkpoint = self.checkpoints.latest_at_or_before(min(common, len(prompt_ids) - 1))
+        if checkpoint is None:
+            self.reset()
+            return 0
+        if self._pending:  # the checkpoint is inside the committed context; the pending token is past it
+            self._pending = []
+        checkpoint.restore(self.state)
+        self.checkpoints.drop_after(checkpoint.position)
+        self._tap_pending = checkpoint.tap
+        if self.drafter is not None:
+            rewind = getattr(self.drafter, "rewind", None)
+            if rewind is not None and checkpoint.drafter_length is not None:
+                rewind(checkpoint.drafter_length)
+            else:  # a drafter that cannot go back starts over and learns from the next tokens
+                self.drafter.reset()
+                self._tap_pending = None
+        return checkpoint.position
 
     def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
         """Logits [vocab] after the last prompt token, from a fresh state."""
@@ -236,11 +289,11 @@ class Engine:
         return self.prefill(list(prompt_ids))
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_at_eos: bool = True,
                  on_token: Callable[[int], None] | None = None, append: bool = False,
                  progress: Callable[[int, int], None] | None = None, speculative: bool | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> list[int]:
+                 should_stop: Callable[[], bool] | None = None, checkpoint_at=()) -> list[int]:
         """Prefill the prompt, then decode up to max_new_tokens; returns the new ids.
 
         append=False starts a fresh context; append=True continues the conversation: only the new
@@ -248,7 +301,14 @@ class Engine:
         on when a drafter is attached) drafts a token tree per round and verifies it in one pass;
         the output is exactly the plain output (greedy) or has exactly its distribution (sampled).
         should_stop (e.g. Ctrl-C) is asked between steps: a speculative round always finishes, so the
-        state stays at the last committed token and the next turn can continue after it."""
+        state stays at the last committed token and the next turn can continue after it.
+        checkpoint_at: context positions inside this prefill at which to keep a turn checkpoint.
+        temperature/top_k/top_p left None take the model's defaults (sampling_defaults: its
+        generation_config; greedy unless that says do_sample); temperature 0 is greedy."""
+        d = self.sampling_defaults
+        temperature = d["temperature"] if temperature is None else temperature
+        top_k = d["top_k"] if top_k is None else top_k
+        top_p = d["top_p"] if top_p is None else top_p
         speculative = self.drafter is not None if speculative is None else speculative
         if speculative and self.drafter is None:
             raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")
@@ -256,8 +316,13 @@ class Engine:
         if not append:
             self.reset()
         ids = self._pending + list(prompt_ids)  # the last reply's final token is not yet in the state
+        pending, self._pending = self._pending, []
         t0 = time.perf_counter()
-        logits = self.prefill(ids, progress)
+        try:
+            logits = self.prefill(ids, progress, checkpoint_at)
+        except UserError:  # refused before any work: the context is as it was
+            self._pending = pending
+            raise
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         token = choose(logits, temperature, top_k, top_p, rng)
@@ -341,13 +406,17 @@ class Engine:
         if self._pending:  # the last reply's final token goes into the state first
             self._step("decode", self._pending)
             self._pending = []
-        save_state(self.state, path, manifest_hash(self.path))
+        save_state(self.state, path, manifest_hash(self.path), self.checkpoints.items)
 
     def load_state(self, path) -> None:
-        """Resume a conversation saved by save_state; refuses another model's or a damaged file."""
+        """Resume a conversation saved by save_state (its turn checkpoints too); refuses another
+        model's or a damaged file."""
         from .snapshot import load_state
 
-        self.state = load_state(path, self.config, manifest_hash(self.path), KV_BLOCK)
+        self.state, saved = load_state(path, self.config, manifest_hash(self.path), KV_BLOCK)
         self._pending, self._tap_pending = [], None
+        self.checkpoints.clear()
+        for checkpoint in saved:  # the drafter is not saved: a restore makes it start over
+            self.checkpoints.add(checkpoint)
         if self.drafter is not None:  # its cache held the old context; it re-learns from the next round
             self.drafter.reset()

@@ -20,7 +20,7 @@ MARGIN_BYTES = 1 << 30  # left to the OS, the runtime's own code and activations
 class MemoryPlan:
     budget_bytes: int
     weights_bytes: int
-    state_bytes: int
+    state_bytes: int  # the live GDN state and every turn checkpoint's copy of it
     kv_bytes_per_token: int
     scratch_bytes_per_token: int
     max_position: int
@@ -50,8 +50,10 @@ def default_budget() -> int:
     return max(psutil.virtual_memory().available - MARGIN_BYTES, 0)
 
 
-def plan_memory(cfg: ModelConfig, weights_bytes: int, chunk: int, budget: int | None) -> MemoryPlan:
+def plan_memory(cfg: ModelConfig, weights_bytes: int, chunk: int, budget: int | None,
+                checkpoints: int = 0) -> MemoryPlan:
+    """checkpoints: how many turn checkpoints the engine may keep, each a copy of the GDN state."""
     scratch = 2 * cfg.num_attention_heads * chunk * 4 if cfg.full_layers else 0
     return MemoryPlan(budget_bytes=int(budget) if budget else default_budget(), weights_bytes=weights_bytes,
-                      state_bytes=cfg.state_bytes(), kv_bytes_per_token=cfg.kv_bytes_per_token(),
+                      state_bytes=cfg.state_bytes() * (1 + checkpoints), kv_bytes_per_token=cfg.kv_bytes_per_token(),
                       scratch_bytes_per_token=scratch, max_position=cfg.max_position_embeddings)

@@ -28,3 +28,11 @@ def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
         return int(np.argmax(logits))
     p = filtered_probs(logits, temperature, top_k, top_p)
     return int(rng.choice(p.size, p=p))
+
+
+def model_defaults(generation: dict) -> dict:
+    """temperature/top_k/top_p when the caller gives none, from the model's generation_config
+    (as recorded in the manifest): greedy unless it says do_sample, as transformers generates."""
+    sample = bool(generation.get("do_sample", False))
+    return {"temperature": float(generation.get("temperature", 1.0)) if sample else 0.0,
+            "top_k": int(generation.get("top_k", 0)), "top_p": float(generation.get("top_p", 1.0))}

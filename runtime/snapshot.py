@@ -9,8 +9,10 @@ conversation saves in about 115 MiB and restores without re-running the prompt.
 
 The file is plain safetensors (never pickle): tensors `gdn.{i}.conv`, `gdn.{i}.recurrent`,
 `attention.{i}.key`, `attention.{i}.value` ([nKV, position, hd]) and `tokens` (int64
-[position]); the metadata holds `format`, `model` (the export's manifest hash), `position` and
-`checksum` (sha256 over every tensor's name, dtype, shape and bytes in sorted name order). A save
+[position]), and each turn checkpoint's GDN copies `checkpoint.{j}.gdn.{i}.conv` / `.recurrent`
+(its K/V are the first rows of the saved ones); the metadata holds `format`, `model` (the export's
+manifest hash), `position`, `checkpoints` (their positions, JSON) and `checksum` (sha256 over every
+tensor's name, dtype, shape and bytes in sorted name order). Files of format 1 (no checkpoints) load. A save
 goes to a temporary file in the same directory, then os.replace, so an interrupted save never
 leaves half a file under the final name.
 """
@@ -27,9 +29,11 @@ import numpy as np
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 
+from .checkpoints import Checkpoint
 from .state import State
 
-FORMAT = "hybrid-npu-state/1"
+FORMAT = "hybrid-npu-state/2"
+READABLE_FORMATS = ("hybrid-npu-state/1", FORMAT)  # 1: before turn checkpoints
 _TMP_PREFIX = ".hybrid-npu-state-"
 _TMP_SUFFIX = ".tmp"
 
@@ -49,12 +53,16 @@ def checksum(tensors: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _tensors(state: State) -> dict[str, np.ndarray]:
+def _tensors(state: State, checkpoints) -> dict[str, np.ndarray]:
     pos = state.position
     out: dict[str, np.ndarray] = {}
     for i, layer in state.gdn.items():
         out[f"gdn.{i}.conv"] = _canonical(np.asarray(layer.conv, np.float32))
         out[f"gdn.{i}.recurrent"] = _canonical(np.asarray(layer.recurrent, np.float32))
+    for j, checkpoint in enumerate(checkpoints):
+        for i in state.gdn:
+            out[f"checkpoint.{j}.gdn.{i}.conv"] = _canonical(np.asarray(checkpoint.conv[i], np.float32))
+            out[f"checkpoint.{j}.gdn.{i}.recurrent"] = _canonical(np.asarray(checkpoint.recurrent[i], np.float32))
     for i, layer in state.attention.items():
         out[f"attention.{i}.key"] = _canonical(np.asarray(layer.key[:, :pos], np.float32))
         out[f"attention.{i}.value"] = _canonical(np.asarray(layer.value[:, :pos], np.float32))
@@ -62,17 +70,18 @@ def _tensors(state: State) -> dict[str, np.ndarray]:
     return out
 
 
-def save_state(state: State, path, model_hash: str) -> None:
-    """Write `state` to `path` (one safetensors file), atomically."""
+def save_state(state: State, path, model_hash: str, checkpoints=()) -> None:
+    """Write `state` and its turn checkpoints to `path` (one safetensors file), atomically."""
     from safetensors.numpy import save_file
 
     path = Path(path)
     if len(state.tokens) != state.position:
         raise UserError(f"cannot save state: it holds {len(state.tokens)} token ids for position {state.position}; "
                         f"save a state the engine produced")
-    tensors = _tensors(state)
+    checkpoints = [c for c in checkpoints if c.position <= state.position]
+    tensors = _tensors(state, checkpoints)
     metadata = {"format": FORMAT, "model": str(model_hash), "position": str(state.position),
-                "checksum": checksum(tensors)}
+                "checkpoints": json.dumps([c.position for c in checkpoints]), "checksum": checksum(tensors)}
     if not path.parent.is_dir():
         raise UserError(f"cannot save state to {path}: directory {path.parent} does not exist; create it first")
     if path.is_dir():
@@ -97,12 +106,14 @@ def save_state(state: State, path, model_hash: str) -> None:
             pass
 
 
-def _expected_shapes(cfg: ModelConfig, position: int) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(cfg: ModelConfig, position: int, n_checkpoints: int) -> dict[str, tuple[int, ...]]:
     k = cfg.linear_conv_kernel_dim
     shapes: dict[str, tuple[int, ...]] = {}
-    for i in cfg.linear_layers:
-        shapes[f"gdn.{i}.conv"] = (cfg.conv_dim, k - 1)
-        shapes[f"gdn.{i}.recurrent"] = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    for prefix in ["", *(f"checkpoint.{j}." for j in range(n_checkpoints))]:
+        for i in cfg.linear_layers:
+            shapes[f"{prefix}gdn.{i}.conv"] = (cfg.conv_dim, k - 1)
+            shapes[f"{prefix}gdn.{i}.recurrent"] = (cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                                    cfg.linear_value_head_dim)
     for i in cfg.full_layers:
         for name in ("key", "value"):
             shapes[f"attention.{i}.{name}"] = (cfg.num_key_value_heads, position, cfg.head_dim)
@@ -126,8 +137,20 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     return metadata, tensors
 
 
-def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
-    """Read a snapshot saved by save_state for the model `model_hash`; refuses anything else."""
+def _checkpoint_positions(path: Path, metadata: dict, position: int) -> list[int]:
+    try:
+        positions = json.loads(metadata.get("checkpoints", "[]"))
+        if not (isinstance(positions, list) and all(type(p) is int and 0 <= p <= position for p in positions)):
+            raise ValueError
+    except ValueError:
+        raise UserError(f"cannot load state {path}: bad checkpoints {metadata.get('checkpoints')!r} in its metadata; "
+                        "save the state again") from None
+    return positions
+
+
+def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> tuple[State, list[Checkpoint]]:
+    """Read a snapshot saved by save_state for the model `model_hash`, with its turn checkpoints;
+    refuses anything else."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"cannot load state {path}: it is a directory; give the file save_state wrote")
@@ -136,7 +159,7 @@ def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
     metadata, tensors = _read(path)
 
     fmt = metadata.get("format")
-    if fmt != FORMAT:
+    if fmt not in READABLE_FORMATS:
         what = f"format {fmt!r}" if fmt is not None else "no hybrid-npu format tag"
         raise UserError(f"cannot load state {path}: {what}, expected {FORMAT!r}; "
                         f"load a snapshot written by save_state of this hybrid-npu version")
@@ -155,7 +178,8 @@ def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
         raise UserError(f"cannot load state {path}: bad position {metadata.get('position')!r} in its metadata; "
                         f"save the state again") from None
 
-    expected = _expected_shapes(cfg, position)
+    positions = _checkpoint_positions(path, metadata, position)
+    expected = _expected_shapes(cfg, position, len(positions))
     for name in sorted(set(expected) | set(tensors)):
         if name not in tensors:
             raise UserError(f"cannot load state {path}: tensor {name} is missing (this model expects shape "
@@ -180,4 +204,7 @@ def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
         layer.value[:, :position] = tensors[f"attention.{i}.value"]
     state.position = position
     state.tokens = [int(t) for t in tensors["tokens"]]
-    return state
+    checkpoints = [Checkpoint(p, {i: tensors[f"checkpoint.{j}.gdn.{i}.conv"] for i in state.gdn},
+                              {i: tensors[f"checkpoint.{j}.gdn.{i}.recurrent"] for i in state.gdn})
+                   for j, p in enumerate(positions)]
+    return state, checkpoints

@@ -19,6 +19,7 @@ import onnx
 from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.permissions import as_user_would_create
 
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.npu_sessions import NPU_GRAPHS
@@ -118,6 +119,7 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
         say(note)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    as_user_would_create(tmp, directory=True)  # mkdtemp's 0700 would stay on the renamed export
     try:
         manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context, quant, max_context,
                                  npu_quant, calib)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hybrid_npu.cli_common import human_bytes as human
 from hybrid_npu.config import ModelConfig
+from hybrid_npu.runtime.checkpoints import DEFAULT_MAX_CHECKPOINTS
 from hybrid_npu.runtime.memory import MARGIN_BYTES, plan_memory, resident_weight_bytes
 from hybrid_npu.runtime.pipeline import cpu_graph
 
@@ -63,10 +64,12 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
     mode = w.get("mode", "float")
     kind = manifest["dtype"] if mode == "float" else f"{mode}, {manifest['dtype']} rest"
     sessions = len({cpu_graph(manifest["graphs"], step) for step in ("prefill", "decode")})  # the engine's at load
-    plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=sessions), int(manifest["chunk"]), memory_budget)
+    plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=sessions), int(manifest["chunk"]), memory_budget,
+                       DEFAULT_MAX_CHECKPOINTS)
     where = "--max-context-memory" if memory_budget else f"available now minus {MARGIN_BYTES >> 30} GiB"
     per_token = plan.kv_bytes_per_token + plan.scratch_bytes_per_token
-    fits = max(plan.budget_bytes - plan.weights_bytes - plan.state_bytes, 0) // per_token if per_token else None
+    free = plan.budget_bytes - plan.weights_bytes - plan.state_bytes - plan.checkpoint_bytes
+    fits = max(free, 0) // per_token if per_token else None
     if fits is not None and fits < cfg.max_position_embeddings:
         context = (f"{fits:,} tokens in {human(plan.budget_bytes)} ({where}): weights + state + "
                    "(K/V + prefill scratch) per token")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from hybrid_npu.cli_common import OneLineParser
 from hybrid_npu.errors import UserError
@@ -16,16 +17,23 @@ def build_parser() -> OneLineParser:
                                                     "or answer one --prompt and exit.")
     p.add_argument("model", nargs="?", help="an export-hybrid output directory (default: the embedded model)")
     add_engine_arguments(p, "where prompts are prefilled")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, help="nucleus sampling (default: the model's generation_config, else 1)")
+    p.add_argument("--top-k", type=int, help="0 = off (default: the model's generation_config, else off)")
     p.add_argument("--seed", type=int, help="sampling seed (each reply starts from it)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens (default: 512)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end of turn (benchmarks)")
-    p.add_argument("--system", help="system prompt")
+    p.add_argument("--system", help="system prompt (\"\" keeps an empty one; omit it for none)")
+    p.add_argument("--tools", metavar="FILE.json",
+                   help="a JSON list of OpenAI-style function specs the template shows the model; its calls come "
+                        "back in --json's tool_calls (REPL: shown; answer with /tool RESULT). Nothing is executed")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="reasoning on/off, for templates with enable_thinking (default: the template's)")
     p.add_argument("--prompt", help="answer this one message, print the reply and exit")
-    p.add_argument("--json", action="store_true", help="with --prompt: print one JSON object {text, token_ids, stats}")
+    p.add_argument("--json", action="store_true",
+                   help="with --prompt: print one JSON object {text, token_ids, tool_calls, stats}")
+    p.add_argument("--render-only", action="store_true",
+                   help="print the exact prompt the model would be given for --system/--tools/--prompt/--think, "
+                        "then exit (loads no model graphs)")
     return p
 
 
@@ -34,10 +42,12 @@ def check_args(a) -> None:
         raise UserError("--prompt is empty; give the message to answer, e.g. --prompt \"Hello\"")
     if a.json and a.prompt is None:
         raise UserError("--json needs --prompt (it prints one reply as JSON)")
+    if a.render_only and a.prompt is None:
+        raise UserError("--render-only needs --prompt (the message whose prompt to print)")
     check_engine_arguments(a)
-    if not 0 < a.top_p <= 1:
+    if a.top_p is not None and not 0 < a.top_p <= 1:
         raise UserError(f"--top-p {a.top_p}: give a value in (0, 1]")
-    if a.top_k < 0:
+    if a.top_k is not None and a.top_k < 0:
         raise UserError(f"--top-k {a.top_k}: give 0 (off) or more")
 
 
@@ -48,9 +58,39 @@ def one_shot(conv, sampling, prompt: str, as_json: bool) -> None:
 
     reply = conv.reply(prompt, sampling, on_text=None if as_json else show)
     if as_json:
-        print(json.dumps({"text": reply.text, "token_ids": reply.token_ids, "stats": reply.stats}))
+        print(json.dumps({"text": reply.text, "token_ids": reply.token_ids, "tool_calls": reply.tool_calls,
+                          "stats": reply.stats}))
     else:
         print()
+
+
+def sampling_note(engine, sampling) -> str:
+    """The sampling a reply uses, and where each default came from (for the banner)."""
+    d = engine.sampling_defaults
+    t = d["temperature"] if sampling.temperature is None else sampling.temperature
+    if t <= 0:
+        return "greedy"
+    k = d["top_k"] if sampling.top_k is None else sampling.top_k
+    p = d["top_p"] if sampling.top_p is None else sampling.top_p
+    given = sampling.temperature is not None and sampling.top_k is not None and sampling.top_p is not None
+    return f"temperature {t:g}, top_k {k or 'off'}, top_p {p:g}" + ("" if given else " (model defaults)")
+
+
+def render_only(a, tools) -> str:
+    """The prompt for --system/--tools/--prompt/--think, from the export's files alone."""
+    import hybrid_npu
+
+    from .chat_template import ChatTemplate
+
+    path = Path(a.model) if a.model else hybrid_npu.default_model()
+    if not (path / "model.json").is_file():
+        raise UserError(f"{path} is not a hybrid-npu export (no model.json); give an export-hybrid output directory")
+    template = ChatTemplate.from_export(path)
+    if a.think is not None and not template.has_thinking_switch:
+        raise UserError("this model's chat template has no thinking switch (enable_thinking); drop --think/--no-think")
+    messages = ([] if a.system is None else [{"role": "system", "content": a.system}]) + \
+        [{"role": "user", "content": a.prompt}]
+    return template.render(messages, add_generation_prompt=True, enable_thinking=a.think, tools=tools)
 
 
 def main(argv=None) -> int:
@@ -65,9 +105,15 @@ def main(argv=None) -> int:
         from .chat_repl import Repl
         from .conversation import Conversation, Sampling
 
+        from .tool_calls import read_tools
+
         check_args(a)
-        engine = open_model(a.model, a)
-        conv = Conversation(engine, system=a.system, enable_thinking=a.think)
+        tools = read_tools(a.tools) if a.tools else None
+        if a.render_only:
+            print(render_only(a, tools), end="")
+            return 0
+        engine = open_model(a.model, a, checkpoints=0 if a.prompt is not None else None)
+        conv = Conversation(engine, system=a.system, enable_thinking=a.think, tools=tools)
         sampling = Sampling(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                             top_p=a.top_p, seed=a.seed, speculative=False if a.no_speculative else None,
                             stop_at_eos=not a.ignore_eos)
@@ -75,8 +121,8 @@ def main(argv=None) -> int:
             one_shot(conv, sampling, a.prompt, a.json)
             return 0
         drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
-        print(f"npu-chat: {engine.path} (profile {engine.profile.name}, speculative {drafter}); "
-              "/help for commands, Ctrl-D to leave", flush=True)
+        print(f"npu-chat: {engine.path} (profile {engine.profile.name}, speculative {drafter}, "
+              f"{sampling_note(engine, sampling)}); /help for commands, Ctrl-D to leave", flush=True)
         return Repl(conv, sampling).run()
     except UserError as e:
         print(f"npu-chat: {e}", file=sys.stderr)

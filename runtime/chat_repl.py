@@ -2,6 +2,7 @@
 one status line per reply, slash commands, Ctrl-C that stops a reply and keeps the conversation."""
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ HELP = """commands:
   /system TEXT   set the system prompt (no TEXT: none); the turns so far stay
   /save FILE     save the conversation: FILE (engine snapshot) and FILE.json (messages)
   /load FILE     continue a conversation saved with /save
+  /tool RESULT   give the model a tool's result (after it asked with a tool call); it answers on
   /stats         the last reply's numbers and the memory plan
   /exit          leave (Ctrl-D too)
 Ctrl-C stops a reply (the conversation keeps it) or clears the line; start with // to send a leading /."""
@@ -55,8 +57,9 @@ def status_line(reply: Reply, conv: Conversation) -> str:
 
     s, mem = reply.stats, conv.engine.memory_report()
     kept = f", {reply.reused_tokens} kept" if reply.reused_tokens else ""
+    rate = f"{s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens"] > 1 else "n/a tok/s"  # one token: no rate
     parts = [f"prefill {s['prefill_tokens']} tok{kept} {s['prefill_tokens_per_s']:.0f} tok/s {s['prefill_device']}",
-             f"decode {s['decode_tokens']} tok {s['decode_tokens_per_s']:.1f} tok/s {s['decode_device']}"]
+             f"decode {s['decode_tokens']} tok {rate} {s['decode_device']}"]
     if "acceptance_length" in s:
         parts.append(f"accept {s['acceptance_length']:.2f}")
     parts.append(f"context {len(conv.engine.context_ids())}/{mem['max_context']}")
@@ -112,11 +115,14 @@ class Repl:
         self.turn(line[1:] if line.startswith("//") else line)
         return None
 
-    def turn(self, text: str) -> None:
+    def turn(self, text: str, role: str = "user") -> None:
         with StopOnInterrupt() as stop:
             reply = self.conv.reply(text, self.sampling, on_text=lambda piece: self.say(self.show(piece), end=""),
-                                    should_stop=stop)
+                                    should_stop=stop, role=role)
         self.say()
+        for call in reply.tool_calls:  # never run by us: the user runs it and answers with /tool
+            self.say(self.show(f"[tool call] {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})"
+                               " - answer with /tool RESULT"))
         self.say(status_line(reply, self.conv))
 
     def command(self, name: str, arg: str) -> str | None:
@@ -140,6 +146,10 @@ class Repl:
                 self.conv.load(arg)
                 self.say(f"loaded {arg} and {sidecar(arg).name}: {len(self.conv.messages)} messages, "
                          f"{len(self.conv.engine.context_ids())} tokens of context")
+        elif name == "tool":
+            if not arg:
+                raise UserError("/tool needs the tool's result, e.g. /tool {\"temperature\": 21}")
+            self.turn(arg, role="tool")
         elif name == "stats":
             for key, value in {**self.conv.engine.last_stats, **self.conv.engine.memory_report()}.items():
                 self.say(f"  {key}: {value:.3f}" if isinstance(value, float) else f"  {key}: {value}")

@@ -193,7 +193,8 @@ class Engine:
 
     def memory_report(self) -> dict:
         """Fixed and per-token costs, the context now and the largest one the budget allows."""
-        return {"state_bytes": self.memory.state_bytes, "kv_bytes_per_token": self.memory.kv_bytes_per_token,
+        return {"state_bytes": self.memory.state_bytes, "checkpoint_bytes": self.memory.checkpoint_bytes,
+                "checkpoints": len(self.checkpoints), "kv_bytes_per_token": self.memory.kv_bytes_per_token,
                 "weights_bytes": self.memory.weights_bytes, "budget_bytes": self.memory.budget_bytes,
                 "context_tokens": self.state.position, "max_context": self.memory.max_context,
                 "kv_bytes_in_use": self.state.kv_bytes_in_use()}
@@ -251,6 +252,8 @@ class Engine:
     # ---------------------------------------------------------------- turn checkpoints
     def take_checkpoint(self) -> None:
         """Keep a copy of the state at the current position (the memory plan counts the limit)."""
+        if self.checkpoints.limit == 0:
+            return
         if self._pending:
             raise ValueError("take_checkpoint: the last reply's final token is not in the state yet")
         length = getattr(self.drafter, "length", None) if self.drafter is not None else None

@@ -20,14 +20,15 @@ MARGIN_BYTES = 1 << 30  # left to the OS, the runtime's own code and activations
 class MemoryPlan:
     budget_bytes: int
     weights_bytes: int
-    state_bytes: int  # the live GDN state and every turn checkpoint's copy of it
+    state_bytes: int
     kv_bytes_per_token: int
     scratch_bytes_per_token: int
     max_position: int
+    checkpoint_bytes: int = 0  # the turn checkpoints' copies of the GDN state, at most as many as kept
 
     @property
     def max_context(self) -> int:
-        free = self.budget_bytes - self.weights_bytes - self.state_bytes
+        free = self.budget_bytes - self.weights_bytes - self.state_bytes - self.checkpoint_bytes
         per_token = self.kv_bytes_per_token + self.scratch_bytes_per_token
         if free <= 0:
             return 0
@@ -55,5 +56,6 @@ def plan_memory(cfg: ModelConfig, weights_bytes: int, chunk: int, budget: int | 
     """checkpoints: how many turn checkpoints the engine may keep, each a copy of the GDN state."""
     scratch = 2 * cfg.num_attention_heads * chunk * 4 if cfg.full_layers else 0
     return MemoryPlan(budget_bytes=int(budget) if budget else default_budget(), weights_bytes=weights_bytes,
-                      state_bytes=cfg.state_bytes() * (1 + checkpoints), kv_bytes_per_token=cfg.kv_bytes_per_token(),
+                      state_bytes=cfg.state_bytes(), checkpoint_bytes=cfg.state_bytes() * checkpoints,
+                      kv_bytes_per_token=cfg.kv_bytes_per_token(),
                       scratch_bytes_per_token=scratch, max_position=cfg.max_position_embeddings)

@@ -15,24 +15,27 @@ def add_engine_arguments(p: OneLineParser, prefill_help: str) -> None:
     p.add_argument("--prefill", choices=PREFILL_MODES, default="auto", help=prefill_help)
     p.add_argument("--memory", type=byte_size, help="memory budget: bytes or e.g. 8G (default: the profile's)")
     p.add_argument("--threads", type=int, help="CPU threads")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float,
+                   help="0 = greedy (default: the model's generation_config.json; greedy when it does not sample)")
     p.add_argument("--no-speculative", action="store_true", help="decode token by token even with a drafter")
 
 
 def check_engine_arguments(a) -> None:
     if a.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {a.max_new_tokens}: give at least 1")
-    if a.temperature < 0:
+    if a.temperature is not None and a.temperature < 0:
         raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or more")
     if a.threads is not None and a.threads < 1:
         raise UserError(f"--threads {a.threads}: give at least 1")
 
 
-def open_model(model: str | None, a):
-    """model: an export directory, or None for the embedded default model."""
+def open_model(model: str | None, a, checkpoints: int | None = None):
+    """model: an export directory, or None for the embedded default model; checkpoints: how many
+    turn checkpoints the engine keeps (None: the default; a one-shot tool needs none)."""
     import hybrid_npu
 
     path = Path(model) if model else hybrid_npu.default_model()
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist; give an export-hybrid output directory")
-    return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory)
+    return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory,
+                           checkpoints=checkpoints)

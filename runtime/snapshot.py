@@ -28,6 +28,7 @@ import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.permissions import as_user_would_create
 
 from .checkpoints import Checkpoint
 from .state import State
@@ -96,6 +97,7 @@ def save_state(state: State, path, model_hash: str, checkpoints=()) -> None:
         save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "r+b") as f:  # on disk before it takes the final name
             os.fsync(f.fileno())
+        as_user_would_create(tmp)  # mkstemp's 0600 would stay on the snapshot
         os.replace(tmp, path)
     except OSError as e:
         raise UserError(f"cannot save state to {path}: {e.strerror or e}; check the path and free disk space") from None

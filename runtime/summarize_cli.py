@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
         check_engine_arguments(a)
         document = read_document(a.file)  # before the model loads: a bad file fails in a moment
-        engine = open_model(a.model, a)
+        engine = open_model(a.model, a, checkpoints=0)  # one prompt: nothing to resume
         ids = prompt_ids(engine, document)
         check_fits(engine, len(ids), a.max_new_tokens, a.file)
         options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,

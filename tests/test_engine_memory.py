@@ -75,7 +75,8 @@ def test_a_context_beyond_the_plan_is_refused_before_any_work(text_tied):
     assert engine.state.position == 0
     weights = engine.memory_report()["weights_bytes"]
     kv = engine.memory_report()["kv_bytes_per_token"]
-    small = hybrid_npu.load(text_tied.out, memory=weights + engine.memory_report()["state_bytes"] + 50 * (kv + 2 * 4 * 8 * 4))
+    small = hybrid_npu.load(text_tied.out, memory=weights + engine.memory_report()["state_bytes"]
+                          + engine.memory_report()["checkpoint_bytes"] + 50 * (kv + 2 * 4 * 8 * 4))
     limit = small.memory_report()["max_context"]
     assert 40 <= limit <= 50
     small.prefill_logits(list(range(limit)))

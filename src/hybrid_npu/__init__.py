@@ -21,7 +21,7 @@ def default_model() -> Path:
 
 
 def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None = None, memory: int | None = None,
-         drafter=None):
+         drafter=None, checkpoints: int | None = None):
     """Open an exported model directory; returns an Engine (`.generate`, `.prefill_logits`, `.tokenizer`).
 
     profile: a device profile name or TOML path ("cpu", "snapdragon-x-elite", ...).
@@ -29,7 +29,11 @@ def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None 
     memory: the budget in bytes for weights + state + K/V (default: the profile's, else psutil's
     available memory minus 1 GiB); a context beyond it is refused up front.
     drafter: a speculative drafter object (reset/observe/propose); generate() then speculates.
+    checkpoints: how many turn checkpoints (copies of the GDN state) a conversation may keep to
+    resume from when its next prompt departs from the context (default 8; 0: none); the memory plan
+    counts them.
     """
     from hybrid_npu.runtime.engine import Engine
 
-    return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter)
+    extra = {} if checkpoints is None else {"checkpoints": checkpoints}
+    return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter, **extra)

@@ -325,3 +325,19 @@ def test_render_only_needs_a_prompt_and_a_refusing_template_is_one_line(release,
     assert chat_main([str(broken), "--render-only", "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert "no tools here" in err and len(err.splitlines()) == 1
+
+
+def test_repl_shows_tool_calls_and_sends_tool_results(release, monkeypatch):
+    from hybrid_npu.runtime.chat_repl import Repl
+    from hybrid_npu.runtime.conversation import Reply
+
+    conv = Conversation(hybrid_npu.load(release.out), tools=TOOLS)
+    out = io.StringIO()
+    repl = Repl(conv, Sampling(max_new_tokens=3, speculative=False), out=out)
+    repl.handle("Weather in Paris?")
+    repl.handle('/tool {"temp": 21}')
+    assert conv.messages[2] == {"role": "tool", "content": '{"temp": 21}'} and conv.messages[3]["role"] == "assistant"
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    monkeypatch.setattr(conv, "reply", lambda *a, **k: Reply("", [1], False, 0, conv.engine.last_stats, [call]))
+    repl.handle("again")
+    assert '[tool call] get_weather({"city": "Paris"}) - answer with /tool RESULT' in out.getvalue()

@@ -58,6 +58,15 @@ def release(tmp_path_factory):
     return Release(root / "hf", root / "export", ref, root / "tok-cache")
 
 
+@pytest.fixture(scope="session")
+def sampling_release(release, tmp_path_factory):
+    """The same model with the larger releases' generation_config.json (temperature 0.6, ...)."""
+    root = tmp_path_factory.mktemp("qwen35_sampling")
+    write_real_vocab_checkpoint(root / "hf", release.cache, seed=11, generation_config=True)
+    export(root / "hf", root / "export", chunk=CHUNK)
+    return Release(root / "hf", root / "export", release.ref, release.cache)
+
+
 def hf_prompt(tok, messages, **kw) -> list[int]:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
     return tok.encode(text, add_special_tokens=False)
@@ -250,14 +259,11 @@ def test_speculative_turns_resume_from_checkpoints_losslessly():
 
 
 # ---------------------------------------------------------------- sampling defaults
-def test_generation_config_gives_the_sampling_defaults(release, tmp_path, capsys):
+def test_generation_config_gives_the_sampling_defaults(release, sampling_release, capsys):
     from transformers import GenerationConfig
 
-    src = tmp_path / "hf"
-    write_real_vocab_checkpoint(src, release.cache, seed=11, generation_config=True)
-    export(src, tmp_path / "out", chunk=CHUNK)
-    gen = GenerationConfig.from_pretrained(src)
-    engine = hybrid_npu.load(tmp_path / "out")
+    gen = GenerationConfig.from_pretrained(sampling_release.src)
+    engine = hybrid_npu.load(sampling_release.out)
     assert engine.sampling_defaults == {"temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
     prompt = hf_prompt(release.hf_tokenizer(), [{"role": "user", "content": "Hi"}])
     by_default = engine.generate(prompt, 8, seed=3, stop_at_eos=False, speculative=False)
@@ -266,7 +272,7 @@ def test_generation_config_gives_the_sampling_defaults(release, tmp_path, capsys
     assert by_default == explicit
     assert engine.generate(prompt, 8, temperature=0, stop_at_eos=False, speculative=False) == \
         hf_greedy(release.ref, prompt, 8)
-    assert chat_main([str(tmp_path / "out"), "--prompt", "Hi", "--json", "--max-new-tokens", "3",
+    assert chat_main([str(sampling_release.out), "--prompt", "Hi", "--json", "--max-new-tokens", "3",
                       "--no-speculative", "--temperature", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == hf_greedy(release.ref, prompt, 3)
     assert "temperature" in build_help()
@@ -341,3 +347,16 @@ def test_repl_shows_tool_calls_and_sends_tool_results(release, monkeypatch):
     monkeypatch.setattr(conv, "reply", lambda *a, **k: Reply("", [1], False, 0, conv.engine.last_stats, [call]))
     repl.handle("again")
     assert '[tool call] get_weather({"city": "Paris"}) - answer with /tool RESULT' in out.getvalue()
+
+
+def test_banner_says_the_sampling_and_where_it_came_from(sampling_release):
+    """A piped REPL prints its banner, then leaves at end of input."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig.from_pretrained(sampling_release.src)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli",  # noqa: E731
+                                     str(sampling_release.out), *a], input="", capture_output=True, text=True,
+                                    timeout=300)
+    banner = run().stdout.splitlines()[0]
+    assert f"temperature {gen.temperature:g}, top_k {gen.top_k}, top_p {gen.top_p:g} (model defaults)" in banner
+    assert "greedy" in run("--temperature", "0").stdout.splitlines()[0]

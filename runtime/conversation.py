@@ -87,6 +87,18 @@ def encode_turns(engine, template: ChatTemplate, messages: list[dict], enable_th
 
 
 
+def checkpoint_marks(engine, template: ChatTemplate, messages: list[dict], full: list[int],
+                     enable_thinking: bool | None = None, tools: list[dict] | None = None) -> tuple[int, int]:
+    """Where a turn keeps its two checkpoints: where the next turn's render will part from `full`
+    (the template re-renders this turn's reply as history, and Qwen3.5's drops its <think> block:
+    render a stand-in reply and next message and see where the tokens first differ), and before
+    the prompt's last token."""
+    probe = messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+    departs = common_prefix(full, encode_turns(engine, template, probe, enable_thinking, tools,
+                                               add_generation_prompt=False))
+    return departs, len(full) - 1
+
+
 def generate_streamed(engine, ids: list[int], max_new_tokens: int, on_text: Callable[[str], None] | None = None,
                       **generate_kw) -> list[int]:
     """engine.generate, with the reply handed to on_text in whole characters as it is decoded."""
@@ -158,14 +170,6 @@ class Conversation:
         return self.template.render(self.messages if messages is None else messages, add_generation_prompt=True,
                                     enable_thinking=self.enable_thinking, tools=self.tools)
 
-    def _departure(self, messages: list[dict], full: list[int]) -> int:
-        """Where the next turn's render will part from `full`: the template re-renders this turn's
-        reply as history (Qwen3.5's drops its <think> block), so render a stand-in reply and next
-        message and see where the tokens first differ."""
-        probe = messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
-        return common_prefix(full, encode_turns(self.engine, self.template, probe, self.enable_thinking, self.tools,
-                                                add_generation_prompt=False))
-
     # ---------------------------------------------------------------- a turn
     def reply(self, text: str, sampling: Sampling, on_text: Callable[[str], None] | None = None,
               should_stop: Callable[[], bool] | None = None, role: str = "user") -> Reply:
@@ -174,7 +178,7 @@ class Conversation:
         messages = self.messages + [{"role": role, "content": text}]
         full = self.prompt_ids(messages)
         kept = self.engine.resume(full)  # keeps, or goes back to a checkpoint, or starts over
-        marks = (self._departure(messages, full), len(full) - 1)
+        marks = checkpoint_marks(self.engine, self.template, messages, full, self.enable_thinking, self.tools)
         ids = generate_streamed(self.engine, full[kept:], sampling.max_new_tokens, on_text,
                                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                 seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, append=True,

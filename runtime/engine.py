@@ -25,7 +25,7 @@ from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
 from .sampling import choose, model_defaults
-from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, common_prefix
+from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext, common_prefix
 from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
@@ -285,6 +285,20 @@ class Engine:
                 self.drafter.reset()
                 self._tap_pending = None
         return checkpoint.position
+
+    def detach(self) -> HeldContext:
+        """Take the conversation out of the engine (a server holding several); the engine starts
+        over. The drafter's own cache is not kept: it relearns from the next prefill."""
+        held = HeldContext(self.state, list(self._pending), list(self.checkpoints.items))
+        self.reset()
+        return held
+
+    def attach(self, held: HeldContext) -> None:
+        """Put back a context detach() took out; the one in the engine now is dropped."""
+        self.reset()
+        self.state, self._pending = held.state, list(held.pending)
+        for checkpoint in held.checkpoints:
+            self.checkpoints.add(Checkpoint(checkpoint.position, checkpoint.conv, checkpoint.recurrent))
 
     def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
         """Logits [vocab] after the last prompt token, from a fresh state."""

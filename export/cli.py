@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", help="an EAGLE-3 drafter checkpoint directory (official/SpecForge or speculators "
                                      "layout) to export beside the model; speculation is then on by default")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
-    p.add_argument("--force", action="store_true", help="replace an output directory that is not an export")
+    p.add_argument("--force", action="store_true", help="also replace an output directory holding a damaged or older export (a directory "
+                                                      "that is not an export, or holds the source, is never replaced)")
     p.add_argument("--check-npu", metavar="EXPORT", help="compile EXPORT's NPU graphs for --profile with CPU fallback "
                                                          "disabled and report placement per graph")
     p.add_argument("--json", action="store_true", help="with --check-npu: print the report as JSON")
@@ -123,7 +124,8 @@ def run(args, prog: str = "export-hybrid") -> int:
                           drafter=args.drafter, progress=say, weights=args.weights, block_size=args.block_size,
                           asymmetric=args.asymmetric, max_context=args.max_context, npu_quant=args.npu_quant,
                           calibration=args.calibration, head_bits=args.head_bits,
-                          check=None if args.no_parity else lambda d, m: _parity(d, m, parity))
+                          check=None if args.no_parity else lambda d, m: _parity(d, m, parity),
+                          warn=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr, flush=True))
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -65,12 +65,12 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def _check_npu(args) -> int:
+def _check_npu(args, say) -> int:
     from hybrid_npu.export.npu_report import check_export
 
     if not args.profile:
         raise UserError("--check-npu needs --profile (e.g. --profile snapdragon-x-elite)")
-    reports = check_export(args.check_npu, args.profile)
+    reports = check_export(args.check_npu, args.profile, say)
     if args.json:
         print(json.dumps(reports, indent=1))
     else:
@@ -116,7 +116,7 @@ def run(args, prog: str = "export-hybrid") -> int:
     parity: list = []  # the report of the check run inside export(), before the export is moved into place
     try:
         if args.check_npu:
-            return _check_npu(args)
+            return _check_npu(args, say)
         if not args.source or not args.output:
             raise UserError("give SOURCE and OUTPUT directories (or --check-npu EXPORT --profile P)")
         manifest = export(args.source, args.output, chunk=args.chunk, dtype=args.dtype, force=args.force,

@@ -12,6 +12,8 @@ mtime, ctime: a write or a copy changes it, and ctime cannot be set back by a us
 a small per-user cache of verified files; hashing a 0.8B fp16 weights.bin on every load would add
 about 1 s to a ~1 s load. HYBRID_NPU_VERIFY=always ignores the cache (silent disk rot keeps the
 stat key); exports from before hashes were recorded load as before, checked by size only.
+QNN context binaries are checked only when their profile runs on the NPU, and a damaged one is
+rebuilt from the ONNX graphs (as a binary built for another QNN version is), not refused.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ ALGORITHM = "sha256"
 _BLOCK = 1 << 20
 _CACHE_ENTRIES = 512
 SKIP = {"model.json", ".hybrid-npu-partial"}
+CONTEXT_DIR = "ctx"  # export/context_binaries.py writes QNN context binaries under ctx/PROFILE/
 
 
 def file_hash(path: Path) -> str:
@@ -55,41 +58,48 @@ def record(root: Path) -> dict:
     return {"algorithm": ALGORITHM, "files": files}
 
 
-def context_files(manifest: dict) -> dict[str, set[str]]:
-    """profile name -> its QNN context binaries (only checked when that profile runs on the NPU)."""
-    out = {}
-    for name, entry in (manifest.get("npu") or {}).items():
-        files = set()
-        for key in ("context", "verify_context"):
-            files.update((entry.get(key) or {}).get("files", []))
-        out[name] = files
-    return out
-
-
-def verify(root: Path, manifest: dict, npu_profile: str | None = None) -> None:
-    """UserError naming the first missing, resized or changed file of the export at root."""
+def verify(root: Path, manifest: dict, npu_profile: str | None = None) -> list[str]:
+    """UserError naming the first missing, resized or changed file of the export at root. QNN
+    context binaries are a cache the runtime can rebuild from the graphs: only those of
+    npu_profile are checked, and the damaged ones are returned instead of refused."""
     entry = manifest.get("integrity")
     if not isinstance(entry, dict):
-        return _sizes_only(root, manifest)
+        _sizes_only(root, manifest)
+        return []
     if entry.get("algorithm") != ALGORITHM or not isinstance(entry.get("files"), dict):
         raise UserError(f"{root / 'model.json'}: unknown integrity entry (algorithm {entry.get('algorithm')!r}); "
                         "re-export the model with this version of export-hybrid")
-    skip = set().union(*[f for p, f in context_files(manifest).items() if p != npu_profile] or [set()])
+    contexts = f"{CONTEXT_DIR}/{npu_profile}/" if npu_profile else None
     always = os.environ.get("HYBRID_NPU_VERIFY") == "always"
+    damaged = []
     for rel, want in entry["files"].items():
-        if rel in skip:
+        is_context = rel.startswith(CONTEXT_DIR + "/")
+        if is_context and not (contexts and rel.startswith(contexts)):
             continue
         path = root / rel
-        size = _size(path, rel, root)
-        if size != want.get("bytes"):
-            raise UserError(f"{path} is {size} bytes, the export wrote {want.get('bytes')}: the file is truncated "
-                            "or damaged; copy the export again or re-export it")
-        if not always and _known_good(path, want.get(ALGORITHM)):
-            continue
-        if file_hash(path) != want.get(ALGORITHM):
-            raise UserError(f"{path} does not match the {ALGORITHM} the export recorded: the file is damaged "
-                            "(changed bytes); copy the export again or re-export it")
-        _remember(path, want[ALGORITHM])
+        problem = _problem(path, rel, root, want, always)
+        if problem and is_context:
+            damaged.append(rel)
+        elif problem:
+            raise UserError(problem)
+    return damaged
+
+
+def _problem(path: Path, rel: str, root: Path, want: dict, always: bool) -> str | None:
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return f"{root} is incomplete: {rel} is missing; copy the export again or re-export it"
+    if size != want.get("bytes"):
+        return (f"{path} is {size} bytes, the export wrote {want.get('bytes')}: the file is truncated "
+                "or damaged; copy the export again or re-export it")
+    if not always and _known_good(path, want.get(ALGORITHM)):
+        return None
+    if file_hash(path) != want.get(ALGORITHM):
+        return (f"{path} does not match the {ALGORITHM} the export recorded: the file is damaged "
+                "(changed bytes); copy the export again or re-export it")
+    _remember(path, want[ALGORITHM])
+    return None
 
 
 def _size(path: Path, rel: str, root: Path) -> int:

@@ -2,8 +2,8 @@
 
 An export is built in a hidden sibling `.OUT.partial-XXXX` and renamed into place at the end. The
 rules that keep a user's files safe:
-* the output never equals, contains or lies inside the source checkpoint (replacing it would
-  delete the checkpoint);
+* the output never equals or contains the source checkpoint (replacing it would delete the
+  checkpoint), and inside the checkpoint only a valid export is ever replaced;
 * an existing non-empty output is replaced only when it is one of our exports: a valid manifest
   always, a damaged or older manifest (model.json beside graphs/) with --force; a directory
   without model.json is never replaced, --force or not;
@@ -46,11 +46,11 @@ def check_output(src: Path, out: Path, force: bool) -> None:
                         "would delete the checkpoint: choose an output directory outside it")
     if not out.exists() or not any(out.iterdir()):
         return
-    if s in o.parents:
-        raise UserError(f"output {out} is an existing directory inside the source checkpoint {src}; "
-                        "refusing to replace it: choose an output directory outside the checkpoint")
     if is_export(out):
         return
+    if s in o.parents:  # whatever else is in there may be part of the checkpoint
+        raise UserError(f"output {out} is an existing directory inside the source checkpoint {src} and not a "
+                        "valid export; refusing to replace it (even with --force): choose a directory outside it")
     if force and _ours_by_name(out):
         return
     if _ours_by_name(out):

@@ -69,6 +69,11 @@ def test_force_never_replaces_a_folder_inside_the_source(ckpt):
     before = tree(ckpt)
     assert_one_line_error(run_cli(ckpt, ckpt / "extra", "--chunk", 4, "--force"), "inside the source")
     assert tree(ckpt) == before
+    for _ in range(2):  # a valid export kept inside the checkpoint is replaced as anywhere else
+        ok = run_cli(ckpt, ckpt / "onnx", "--chunk", 4, "--quiet", "--no-parity")
+        assert ok.returncode == 0, ok.stderr
+    (ckpt / "onnx" / "model.json").write_text("damaged")
+    assert_one_line_error(run_cli(ckpt, ckpt / "onnx", "--chunk", 4, "--force"), "inside the source")
 
 
 def test_force_never_replaces_a_folder_that_is_not_an_export(ckpt, tmp_path):
@@ -223,3 +228,22 @@ def test_no_tokenizer_warns(ckpt, tmp_path):
     proc = run_cli(ckpt, tmp_path / "out", "--chunk", 4, "--quiet", "--no-parity")
     assert proc.returncode == 0, proc.stderr
     assert "warning" in proc.stderr and "no tokenizer.json" in proc.stderr and "token ids only" in proc.stderr
+
+
+# ---- 12. --check-npu says what it compiles, graph by graph -------------------------------------
+def test_check_npu_reports_progress_per_graph(text_tied, htp_profile, monkeypatch, capsys):
+    """The compile itself is stubbed (the real one runs in test_npu_export.py on the emulator):
+    what is checked here is that every graph gets a line on stderr before its compile starts."""
+    from hybrid_npu.export import cli, npu_report
+
+    seen = []
+
+    def fake_compile(graph, options, free_dims=None):
+        seen.append((Path(graph).name, capsys.readouterr().err))  # what the user saw before this compile
+        return {"graph": Path(graph).name, "nodes": 3, "on_htp": 3, "ok": True, "first_unsupported": None}
+
+    monkeypatch.setattr(npu_report, "compile_on_npu", fake_compile)
+    assert cli.main(["--check-npu", str(text_tied.out), "--profile", htp_profile]) == 0
+    err = capsys.readouterr().err
+    assert seen and all(f"compiling graphs/{name}" in before and "on the HTP" in before for name, before in seen)
+    assert all(f"{name}: all on HTP" in err for name, _ in seen)

@@ -30,6 +30,13 @@ def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None 
     available memory minus 1 GiB); a context beyond it is refused up front.
     drafter: a speculative drafter object (reset/observe/propose); generate() then speculates.
     """
+    from hybrid_npu.errors import UserError
     from hybrid_npu.runtime.engine import Engine
 
-    return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter)
+    try:
+        return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+        # a damage the specific checks (runtime/export_check.py, export/integrity.py) did not name
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise UserError(f"cannot load {path} ({type(e).__name__}: {first}); the export looks damaged: "
+                        "re-export it with export-hybrid") from None

@@ -109,8 +109,12 @@ def check_config_values(path: Path, raw) -> None:
         v = text[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UserError(f"{cfg_file}: {key} must be a positive integer, got {json.dumps(v)}")
-    for key in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
-        v = text.get(key, 1.0)
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{cfg_file}: rope_parameters must be a JSON object, got {json.dumps(rope)}")
+    for where, key in (*((text, k) for k in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")),
+                       (rope, "rope_theta"), (rope, "partial_rotary_factor")):
+        v = where.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise UserError(f"{cfg_file}: {key} must be a positive number, got {json.dumps(v)}")
     lt = text.get("layer_types")

@@ -50,8 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", help="an EAGLE-3 drafter checkpoint directory (official/SpecForge or speculators "
                                      "layout) to export beside the model; speculation is then on by default")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
-    p.add_argument("--force", action="store_true", help="also replace an output directory holding a damaged or older export (a directory "
-                                                      "that is not an export, or holds the source, is never replaced)")
+    p.add_argument("--force", action="store_true",
+                   help="also replace an output directory holding a damaged or older export (a directory that is "
+                        "not an export, or holds the source, is never replaced)")
     p.add_argument("--check-npu", metavar="EXPORT", help="compile EXPORT's NPU graphs for --profile with CPU fallback "
                                                          "disabled and report placement per graph")
     p.add_argument("--json", action="store_true", help="with --check-npu: print the report as JSON")

@@ -9,9 +9,10 @@ the CPU's SHA instructions: 1.6 GB/s streaming here, twice blake2b's 0.8 GB/s
 When: sizes on every load (a stat; catches truncated and empty files), full hashes at the first
 load of each file and again whenever it changes. "Changes" is a stat key (device, inode, size,
 mtime, ctime: a write or a copy changes it, and ctime cannot be set back by a user) remembered in
-a small per-user cache of verified files; hashing a 0.8B fp16 weights.bin on every load would add
-about 1 s to a ~1 s load. HYBRID_NPU_VERIFY=always ignores the cache (silent disk rot keeps the
-stat key); exports from before hashes were recorded load as before, checked by size only.
+a small per-user cache of verified files, since hashing a 0.8B fp16 weights.bin costs about 1 s
+and would otherwise be paid on every load. HYBRID_NPU_VERIFY=always ignores the cache (silent
+disk rot keeps the stat key); exports from before hashes were recorded load as before, checked
+by size only.
 QNN context binaries are checked only when their profile runs on the NPU, and a damaged one is
 rebuilt from the ONNX graphs (as a binary built for another QNN version is), not refused.
 """

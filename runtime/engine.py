@@ -114,8 +114,8 @@ class Engine:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
         entry = self.manifest.get("npu", {}).get(self.profile.name)
         if damaged and entry:
-            print(f"hybrid-npu: QNN context binary unusable: {damaged[0]} does not match its recorded hash; "
-                  "compiling from the ONNX graphs", file=sys.stderr)
+            print(f"hybrid-npu: QNN context binary unusable: {damaged[0]} is missing or differs from what the "
+                  "export recorded; compiling from the ONNX graphs", file=sys.stderr)
             entry["context"] = entry["verify_context"] = None
 
     def _open_npu(self) -> None:

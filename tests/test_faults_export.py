@@ -148,6 +148,7 @@ def test_a_running_exports_partial_is_not_removed(ckpt, tmp_path):
     ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
     ({"num_hidden_layers": 0, "layer_types": []}, "num_hidden_layers must be a positive integer, got 0"),
     ({"rms_norm_eps": "x"}, "rms_norm_eps must be a positive number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}}, "rope_theta must be a positive number"),
 ])
 def test_bad_config_values(ckpt, tmp_path, changes, needle):
     edit_config(ckpt, **changes)

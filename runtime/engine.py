@@ -15,9 +15,8 @@ from typing import Callable
 import numpy as np
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.profiles.loader import load_profile
-
 from hybrid_npu.export import integrity
+from hybrid_npu.profiles.loader import load_profile
 
 from .export_check import check_chain_graph, damaged, read_manifest
 from .memory import plan_memory, resident_weight_bytes
@@ -155,7 +154,9 @@ class Engine:
         except UserError:
             raise
         except Exception as e:  # a damaged drafter.json or graph
-            raise damaged(d, "drafter.json", e) from None
+            first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"drafter {d} does not load ({first}); it is damaged: re-export it with: "
+                            f"export-hybrid SOURCE {self.path} --drafter DRAFTER_CHECKPOINT") from None
 
     def _load_tokenizer(self):
         f = self.path / "tokenizer.json"

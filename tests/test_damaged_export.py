@@ -197,3 +197,19 @@ def test_clis_exit_2_in_one_line(export_copy, tmp_path, kind):
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert DAMAGE[kind][1] in proc.stderr
+
+
+def test_damaged_drafter_manifest_is_one_line(tmp_path):
+    """The embedded model carries a drafter: its drafter.json damaged (and re-hashed, so only the
+    reader can object) is refused in one line, not a traceback."""
+    out = shutil.copytree(hybrid_npu.DEFAULT_MODEL, tmp_path / "model")
+    dj = out / "drafter" / "drafter.json"
+    m = json.loads(dj.read_text())
+    m.pop("config")
+    dj.write_text(json.dumps(m))
+    manifest = json.loads((out / "model.json").read_text())
+    manifest["integrity"] = integrity.record(out)
+    (out / "model.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="drafter .* does not load") as e:
+        hybrid_npu.load(out)
+    assert "\n" not in str(e.value)

@@ -24,6 +24,7 @@ from hybrid_npu.errors import UserError
 from .safetensors_io import SafetensorsFile
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
@@ -74,7 +75,63 @@ def _rope(text: dict) -> tuple[float, float]:
     return float(theta), float(factor)
 
 
+# config keys that must be positive integers (when present: optional ones have defaults)
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
+                  "max_position_embeddings")
+_SIDE_JSON = ("generation_config.json", "tokenizer_config.json")
+
+
+def check_config_values(path: Path, raw) -> None:
+    """Refuse, in one line, the values parse_config would trip over (null, strings, zero heads, a
+    list for a config) and side files that are not JSON objects, before anything reads them."""
+    cfg_file = path / "config.json"
+    if not isinstance(raw, dict):
+        raise UserError(f"{cfg_file}: a config is a JSON object, this one is a JSON {type(raw).__name__}")
+    text = raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5" else raw
+    if not isinstance(text, dict):
+        raise UserError(f"{cfg_file}: text_config must be a JSON object")
+    for key in _POSITIVE_INTS:
+        if key not in text or (key == "head_dim" and text[key] is None):
+            continue
+        v = text[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"{cfg_file}: {key} must be a positive integer, got {json.dumps(v)}")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{cfg_file}: rope_parameters must be a JSON object, got {json.dumps(rope)}")
+    for where, key in (*((text, k) for k in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")),
+                       (rope, "rope_theta"), (rope, "partial_rotary_factor")):
+        v = where.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise UserError(f"{cfg_file}: {key} must be a positive number, got {json.dumps(v)}")
+    lt = text.get("layer_types")
+    if lt is not None and not (isinstance(lt, list) and all(isinstance(t, str) for t in lt)):
+        raise UserError(f"{cfg_file}: layer_types must be a list of layer type names")
+    for name in _SIDE_JSON:
+        f = path / name
+        if not f.exists():
+            continue
+        try:
+            side = json.loads(f.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:
+            raise UserError(f"{f}: not valid JSON ({e}); fix or delete it") from None
+        if not isinstance(side, dict):
+            raise UserError(f"{f}: must be a JSON object, is a JSON {type(side).__name__}; fix or delete it")
+
+
+def check_float_tensors(dtypes: dict[str, str]) -> None:
+    """Weights are floating point: an integer tensor would be cast to nonsense without a word."""
+    bad = {n: d for n, d in dtypes.items() if d not in FLOAT_DTYPES}
+    if bad:
+        name, dt = next(iter(sorted(bad.items())))
+        raise UserError(f"tensor {name} is {dt}; the model's weights must be floating point "
+                        f"({', '.join(FLOAT_DTYPES)}): this is not a float checkpoint (already quantised?)")
+
+
 def parse_config(path: Path, raw: dict) -> ModelConfig:
+    check_config_values(path, raw)
     text = text_config(raw)
     try:
         n_layers = int(text["num_hidden_layers"])
@@ -236,7 +293,7 @@ def read_checkpoint(path) -> Checkpoint:
     raw = read_config_json(path, "model path", "a Hugging Face checkpoint")
     cfg = parse_config(path, raw)
 
-    shapes, loaders, mtp, dtypes = {}, {}, [], set()
+    shapes, loaders, mtp, dtypes, by_name = {}, {}, [], set(), {}
     for f in _weight_files(path):
         st = SafetensorsFile(f)
         for name in st.names():
@@ -248,7 +305,9 @@ def read_checkpoint(path) -> Checkpoint:
                 continue
             shapes[canon] = st.shape(name)
             dtypes.add(st.dtype(name))
+            by_name[canon] = st.dtype(name)
             loaders[canon] = (lambda st=st, name=name: st.load(name))
+    check_float_tensors(by_name)
     if raw.get("model_type") == "qwen3_next":
         _split_qwen3_next(cfg, shapes, loaders)
 

@@ -50,7 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", help="an EAGLE-3 drafter checkpoint directory (official/SpecForge or speculators "
                                      "layout) to export beside the model; speculation is then on by default")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
-    p.add_argument("--force", action="store_true", help="replace an output directory that is not an export")
+    p.add_argument("--force", action="store_true",
+                   help="also replace an output directory holding a damaged or older export (a directory that is "
+                        "not an export, or holds the source, is never replaced)")
     p.add_argument("--check-npu", metavar="EXPORT", help="compile EXPORT's NPU graphs for --profile with CPU fallback "
                                                          "disabled and report placement per graph")
     p.add_argument("--json", action="store_true", help="with --check-npu: print the report as JSON")
@@ -64,12 +66,12 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def _check_npu(args) -> int:
+def _check_npu(args, say) -> int:
     from hybrid_npu.export.npu_report import check_export
 
     if not args.profile:
         raise UserError("--check-npu needs --profile (e.g. --profile snapdragon-x-elite)")
-    reports = check_export(args.check_npu, args.profile)
+    reports = check_export(args.check_npu, args.profile, say)
     if args.json:
         print(json.dumps(reports, indent=1))
     else:
@@ -115,7 +117,7 @@ def run(args, prog: str = "export-hybrid") -> int:
     parity: list = []  # the report of the check run inside export(), before the export is moved into place
     try:
         if args.check_npu:
-            return _check_npu(args)
+            return _check_npu(args, say)
         if not args.source or not args.output:
             raise UserError("give SOURCE and OUTPUT directories (or --check-npu EXPORT --profile P)")
         manifest = export(args.source, args.output, chunk=args.chunk, dtype=args.dtype, force=args.force,
@@ -123,7 +125,8 @@ def run(args, prog: str = "export-hybrid") -> int:
                           drafter=args.drafter, progress=say, weights=args.weights, block_size=args.block_size,
                           asymmetric=args.asymmetric, max_context=args.max_context, npu_quant=args.npu_quant,
                           calibration=args.calibration, head_bits=args.head_bits,
-                          check=None if args.no_parity else lambda d, m: _parity(d, m, parity))
+                          check=None if args.no_parity else lambda d, m: _parity(d, m, parity),
+                          warn=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr, flush=True))
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

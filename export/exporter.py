@@ -1,15 +1,16 @@
 """export(): checkpoint directory → output directory (graphs, weights, tokenizer, manifest).
 
-Everything is written into a temporary sibling directory and renamed into place at the end, so a
-failure leaves nothing half-written; an existing directory that is not one of our exports is
-refused unless force=True.
+Everything is written into a marked hidden sibling directory and renamed into place at the end,
+so a failure leaves nothing half-written and a killed export's leftovers are removed by the next
+one; what may be replaced is decided by export/out_dir.py (never the source, never a directory
+that is not an export).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import shutil
-import tempfile
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +20,6 @@ import onnx
 from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.permissions import as_user_would_create
 
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.npu_sessions import NPU_GRAPHS
@@ -27,7 +27,9 @@ from hybrid_npu.runtime.npu_sessions import NPU_GRAPHS
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
-from .manifest import FORMAT, MANIFEST, is_export, value_infos
+from hybrid_npu import integrity
+from .manifest import FORMAT, MANIFEST, value_infos
+from .out_dir import check_output, finish_partial, make_partial, os_error_line, remove_stale_partials
 from .parts import htp_itemsize, plan_parts
 from .qdq import NPU_QUANT_MODES, quantize_parts, read_calibration
 from .quantize import quant_spec
@@ -38,6 +40,7 @@ DTYPES = {"fp32": np.float32, "fp16": np.float16}
 WEIGHTS_FILE = "weights.bin"
 DEFAULT_CHUNK = 128
 DEFAULT_VERIFY = 32
+MAX_CHUNK = 4096  # the prefill graph's scores are [C, T + C] per head: 4096 is far past any NPU's sweet spot
 DRAFTER_DIR = "drafter"
 
 
@@ -70,19 +73,12 @@ def state_layout(cfg: ModelConfig) -> list[dict]:
     return layers
 
 
-def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output path {out} exists and is a file; choose a directory path")
-    if out.exists() and any(out.iterdir()) and not is_export(out) and not force:
-        raise UserError(f"output directory {out} exists and is not a hybrid-npu export; "
-                        "choose another path or pass --force to replace it")
-
-
 def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bool = False, profile=None,
            compile_context: bool = True, verify: int | None = None, drafter=None,
            progress: Callable[[str], None] | None = None, weights: str = "float", block_size: int | None = None,
            asymmetric: bool = False, max_context: int | None = None, npu_quant: str | None = None,
-           calibration=None, head_bits: int | None = None, check: Callable[[Path, dict], None] | None = None) -> dict:
+           calibration=None, head_bits: int | None = None, check: Callable[[Path, dict], None] | None = None,
+           warn: Callable[[str], None] | None = None) -> dict:
     """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
     HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries.
     weights int8/int4: every linear layer block-quantised for the CPU (export/quantize.py); dtype
@@ -91,7 +87,8 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     `calibration`, export/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
     max_context: the NPU graphs' K/V capacity T_max instead of the profile's (whole chunks).
     check(dir, manifest): runs on the finished export before it is moved into place (parity);
-    whatever it raises leaves nothing written."""
+    whatever it raises leaves nothing written. warn(msg): what the export accepts but the user
+    should know (default: a line on stderr)."""
     src, out = Path(src), Path(out)
     prof = load_profile(profile) if profile is not None else None
     chunk = chunk if chunk is not None else (prof.prefill_chunk if prof else DEFAULT_CHUNK)
@@ -100,26 +97,33 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
         raise UserError(f"--verify must be between 2 and 512 tree nodes (got {verify})")
     if chunk < 2:
         raise UserError(f"--chunk must be at least 2 (got {chunk}); decode uses its own 1-token graph")
+    if chunk > MAX_CHUNK:
+        raise UserError(f"--chunk {chunk} is too large: at most {MAX_CHUNK} tokens per prefill call "
+                        f"(the profiles use 128)")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     quant = quant_spec(weights, block_size, asymmetric, head_bits)
     npu_quant = npu_quant_mode(quant, prof, npu_quant, calibration)
     say = progress or (lambda msg: None)
+    warn = warn or (lambda msg: print(f"hybrid-npu: warning: {msg}", file=sys.stderr, flush=True))
     ck = read_checkpoint(src)
+    check_tokenizer(ck.path, warn)
     calib = read_calibration(calibration, ck.path / "tokenizer.json") if npu_quant == "qdq" else None
     if npu_quant == "nbits":
         _check_nbits_widths(ck.config, quant.block_size)
     dck = read_drafter(drafter, ck.config, lambda: ck.load("embed_tokens.weight")) if drafter is not None else None
-    _prepare_out(out, force)
+    check_output(ck.path, out, force)
     capacity, note = npu_capacity(prof, max_context, chunk, ck.config)
     if capacity is not None:
         prof = dataclasses.replace(prof, attention_capacity=capacity)
     say(f"read {src}: {ck.model_type}, {ck.config.num_layers} layers, {len(ck.shapes)} tensors ({ck.source_dtype})")
     if note:
         say(note)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    as_user_would_create(tmp, directory=True)  # mkdtemp's 0700 would stay on the renamed export
+    remove_stale_partials(out, say)
+    try:
+        tmp = make_partial(out)
+    except OSError as e:
+        raise UserError(os_error_line(e, out)) from None
     try:
         manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context, quant, max_context,
                                  npu_quant, calib)
@@ -127,17 +131,40 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
             manifest["drafter"] = {"dir": DRAFTER_DIR, **export_drafter(dck, tmp / DRAFTER_DIR, dtype)}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        say("hashing the written files (integrity)")
+        manifest["integrity"] = integrity.record(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if check is not None:
             say("checking parity against the source")
             check(tmp, manifest)
         if out.exists():
             shutil.rmtree(out)
+        finish_partial(tmp)
         tmp.rename(out)
+    except OSError as e:  # disk full, read-only filesystem, permissions: one line, nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(os_error_line(e, out)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def check_tokenizer(src: Path, warn: Callable[[str], None]) -> None:
+    """A tokenizer.json that does not load is refused now, not copied to fail in npu-chat; none at
+    all is allowed (the API takes token ids) but said."""
+    f = src / "tokenizer.json"
+    if not f.exists():
+        warn(f"{src} has no tokenizer.json: the export will take token ids only (npu-chat and npu-summarize "
+             "need a tokenizer); copy the model's tokenizer.json into it and export again")
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(f))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise UserError(f"{f} does not load as a tokenizer ({str(e).splitlines()[0][:160]}); copy the model's "
+                        "tokenizer.json again") from None
 
 
 def npu_quant_mode(quant, prof, npu_quant: str | None, calibration) -> str | None:

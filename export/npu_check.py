@@ -45,8 +45,12 @@ def compile_on_npu(graph: Path, provider_options: dict, free_dims: dict | None =
     """Compile `graph` on the HTP in a child process; returns a report dict (never raises on refusal)."""
     cmd = [sys.executable, "-m", "hybrid_npu.export.npu_check", str(graph), "--options", json.dumps(provider_options),
            "--free-dims", json.dumps(free_dims or {}), "--config", json.dumps(config or {})]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     report = {"graph": Path(graph).name, "nodes": len(onnx.load(str(graph), load_external_data=False).graph.node)}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # reported like a refusal: the other graphs still get checked
+        return {**report, "ok": False, "on_htp": 0, "first_unsupported": None, "refused": 0,
+                "error": f"the HTP compile did not finish in {timeout:.0f} s"}
     tail = proc.stdout.strip().splitlines()
     result = json.loads(tail[-1]) if tail and tail[-1].startswith("{") else {"ok": False, "error": proc.stderr[-500:]}
     report.update(result)

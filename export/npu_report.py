@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Callable
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.profiles.loader import load_profile
@@ -13,7 +15,9 @@ from .manifest import MANIFEST, is_export
 from .npu_check import compile_on_npu
 
 
-def check_export(export_dir, profile) -> list[dict]:
+def check_export(export_dir, profile, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """progress(msg): a line before and after each graph's compile (a big part takes minutes)."""
+    say = progress or (lambda msg: None)
     path = Path(export_dir)
     if not is_export(path):
         raise UserError(f"{path} is not a hybrid-npu export; create one with: export-hybrid SOURCE {path}")
@@ -28,9 +32,13 @@ def check_export(export_dir, profile) -> list[dict]:
         raise UserError(str(e)) from None
     free = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + int(manifest["chunk"])}
     reports = []
-    for f in files:
+    for k, f in enumerate(files, 1):
+        say(f"compiling {f} for {prof.name} on the HTP, CPU fallback disabled ({k}/{len(files)})")
+        t0 = time.perf_counter()
         report = compile_on_npu(path / f, prof.qnn_provider_options(), free)
         if report.get("npu_unavailable"):
             raise UserError(f"cannot check NPU placement: {report['error']}")
+        placed = "all on HTP" if report.get("ok") else f"{report.get('on_htp')} of {report.get('nodes')} on HTP"
+        say(f"{Path(f).name}: {placed} ({time.perf_counter() - t0:.1f} s)")
         reports.append(report)
     return reports

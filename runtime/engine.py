@@ -7,7 +7,6 @@ on the CPU; a speculative round runs the tree-verify graph. All read and write o
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -16,10 +15,11 @@ from typing import Callable
 import numpy as np
 
 from hybrid_npu.chat_files import sampling_defaults
-from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 
+from .export_check import check_chain_graph, damaged, read_manifest
 from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
@@ -68,17 +68,24 @@ class Engine:
                             f"create one with: export-hybrid CHECKPOINT {self.path}")
         if prefill not in PREFILL_MODES:
             raise UserError(f"prefill={prefill!r} is not one of {', '.join(PREFILL_MODES)}")
-        self.manifest = json.loads(manifest_file.read_text())
-        self.config = ModelConfig.from_dict(self.manifest["config"])
+        self.manifest, self.config = read_manifest(self.path)  # one line for a damaged or lying manifest
         self.chunk = int(self.manifest["chunk"])
         self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max
         self.prefill_mode = prefill
+        npu = self.profile.name if self.profile.has_npu and prefill != "cpu" else None
+        self._drop_damaged_contexts(integrity.verify(self.path, self.manifest, npu))  # before any text
         graphs, opened = self.manifest["graphs"], {}
 
         def open_cpu(name: str) -> Pipeline:  # one session per graph file (cpu_graph: a shared one)
-            file = graphs[cpu_graph(graphs, name)]["file"]
+            graph = cpu_graph(graphs, name)
+            file = graphs[graph]["file"]
             if file not in opened:
-                opened[file] = Pipeline([cpu_session(self.path / file, self.manifest, threads)], CPU_DEVICE)
+                try:
+                    session = cpu_session(self.path / file, self.manifest, threads)
+                except Exception as e:  # ORT's own error types: a file it cannot read
+                    raise damaged(self.path, file, e) from None
+                check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"])
+                opened[file] = Pipeline([session], CPU_DEVICE)
             return opened[file]
 
         self.pipelines = LazyPipelines(open_cpu, self.manifest["graphs"], eager=("prefill", "decode"))
@@ -108,6 +115,14 @@ class Engine:
         self.reset()
         self.last_stats: dict = {}
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
+
+    def _drop_damaged_contexts(self, damaged: list[str]) -> None:
+        """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
+        entry = self.manifest.get("npu", {}).get(self.profile.name)
+        if damaged and entry:
+            print(f"hybrid-npu: QNN context binary unusable: {damaged[0]} is missing or differs from what the "
+                  "export recorded; compiling from the ONNX graphs", file=sys.stderr)
+            entry["context"] = entry["verify_context"] = None
 
     def _open_npu(self) -> None:
         """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max;
@@ -141,14 +156,24 @@ class Engine:
         if not (d / "drafter.json").exists():
             raise UserError(f"{d} is not an exported drafter; add it to the model with: "
                             f"export-hybrid SOURCE {self.path} --drafter {d}")
-        return Eagle3Drafter(d, threads)
+        try:
+            return Eagle3Drafter(d, threads)
+        except UserError:
+            raise
+        except Exception as e:  # a damaged drafter.json or graph
+            first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"drafter {d} does not load ({first}); it is damaged: re-export it with: "
+                            f"export-hybrid SOURCE {self.path} --drafter DRAFTER_CHECKPOINT") from None
 
     def _load_tokenizer(self):
         f = self.path / "tokenizer.json"
         if not f.exists():
             return None
         from tokenizers import Tokenizer
-        return Tokenizer.from_file(str(f))
+        try:
+            return Tokenizer.from_file(str(f))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise damaged(self.path, f.name, e) from None
 
     # ---------------------------------------------------------------- steps
     def reset(self) -> None:

@@ -1,11 +1,15 @@
 """Shared, session-scoped fixtures: tiny checkpoints (built with transformers, offline) and their
 exports. Building is cheap (< 1 s each) but exports are reused across test files."""
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the integrity check's record of verified files goes to a scratch folder, not the user's cache
+os.environ.setdefault("HYBRID_NPU_CACHE", tempfile.mkdtemp(prefix="hybrid-npu-cache-"))
 
 import fixtures  # noqa: E402
 import torch  # noqa: E402

@@ -99,16 +99,16 @@ def test_qwen3_next_moe_refused(tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
-def test_foreign_output_dir_refused_unless_force(ckpt, tmp_path):
+def test_foreign_output_dir_refused_even_with_force(ckpt, tmp_path):
     out = tmp_path / "precious"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert_one_line_error(run_cli(ckpt, out, "--chunk", 4), "not a hybrid-npu export", "--force")
-    assert (out / "notes.txt").read_text() == "mine"
-    ok = run_cli(ckpt, out, "--chunk", 4, "--force", "--quiet")
-    assert ok.returncode == 0, ok.stderr
-    assert not (out / "notes.txt").exists() and (out / "model.json").exists()
-    again = run_cli(ckpt, out, "--chunk", 4, "--quiet")  # our own export: replaced without --force
+    for flags in ([], ["--force"]):  # --force replaces only damaged exports (tests/test_faults_export.py)
+        assert_one_line_error(run_cli(ckpt, out, "--chunk", 4, *flags), "not a hybrid-npu export")
+        assert (out / "notes.txt").read_text() == "mine"
+    fresh = tmp_path / "fresh"
+    assert run_cli(ckpt, fresh, "--chunk", 4, "--quiet").returncode == 0
+    again = run_cli(ckpt, fresh, "--chunk", 4, "--quiet")  # our own export: replaced without --force
     assert again.returncode == 0, again.stderr
 
 

@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,6 +124,21 @@ def test_truncated_context_is_rebuilt_with_a_message(split_export, tmp_path, cap
     assert np.isfinite(engine.prefill_logits([1, 2, 3])).all()
 
 
+def test_context_with_flipped_bytes_is_rebuilt_not_trusted(split_export, tmp_path, capsys, monkeypatch):
+    """The QNN binary might load and compute garbage: its recorded hash decides, before it is opened."""
+    monkeypatch.setenv("HYBRID_NPU_CACHE", str(tmp_path / "cache"))
+    out, prof = split_export
+    other = _copy_export(out, tmp_path / "flipped")
+    binary = next((other / "ctx" / "test-split").glob("*.bin"))
+    data = bytearray(binary.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    binary.write_bytes(bytes(data))
+    engine = hybrid_npu.load(other, profile=prof, prefill="npu")
+    err = capsys.readouterr().err
+    assert "differs from what the export recorded" in err and "compiling from the ONNX graphs" in err
+    assert not engine.pipelines["npu_prefill"].from_context
+
+
 def test_export_without_the_profiles_graphs_names_the_fix(text_tied, htp_profile, tmp_path):
     prof = derived_profile(htp_profile, tmp_path, "tiny-parts", part_weight_bytes=100_000)
     with pytest.raises(UserError, match=r"re-export with: export-hybrid SOURCE .* --profile tiny-parts"):
@@ -140,6 +156,10 @@ def test_check_npu_cli_reports_every_graph_on_the_htp(split_export):
     for line in lines:
         n, on = re.search(r"(\d+) nodes, (\d+) on HTP \(all on HTP\)", line).groups()
         assert n == on
+    for k, p in enumerate(parts, 1):  # progress on stderr before and after each graph's compile
+        assert f"compiling {p['file']} for test-split on the HTP" in proc.stderr
+        assert f"({k}/{len(parts)})" in proc.stderr
+        assert f"{Path(p['file']).name}: all on HTP" in proc.stderr
 
 
 def test_check_npu_names_the_first_unsupported_node(tmp_path):

@@ -33,7 +33,14 @@ def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None 
     resume from when its next prompt departs from the context (default 8; 0: none); the memory plan
     counts them.
     """
+    from hybrid_npu.errors import UserError
     from hybrid_npu.runtime.engine import Engine
 
     extra = {} if checkpoints is None else {"checkpoints": checkpoints}
-    return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter, **extra)
+    try:
+        return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter, **extra)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+        # a damage the specific checks (runtime/export_check.py, src/hybrid_npu/integrity.py) did not name
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise UserError(f"cannot load {path} ({type(e).__name__}: {first}); the export looks damaged: "
+                        "re-export it with export-hybrid") from None

@@ -1,0 +1,114 @@
+"""Refuse a damaged or self-contradicting export at load, in one line, before it produces text.
+
+What an export could lie about and how it is caught here: model.json that is not JSON or lacks
+the entries the runtime reads; a config that does not build a ModelConfig; graph files that are
+missing; a manifest whose config disagrees with the graphs' own input and output shapes (state
+sizes, layer count, vocabulary, hidden size, chunk). File contents are checked by
+src/hybrid_npu/integrity.py (sizes always, hashes at first load).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybrid_npu.config import FULL, LINEAR, ModelConfig
+from hybrid_npu.errors import UserError
+from hybrid_npu.export.manifest import FORMAT, MANIFEST
+
+from .state import KV_BLOCK, State
+from .step_inputs import chain_feed
+
+REQUIRED = {"config": dict, "chunk": int, "graphs": dict, "weights": dict}
+_STATE_PREFIXES = ("conv_state.", "recurrent_state.", "past_key.", "past_value.")
+_CHAIN_GRAPHS = ("prefill", "decode", "cpu")  # the graphs fed by chain_feed (verify takes a tree)
+
+
+def _reexport(path: Path) -> str:
+    return f"re-export it with: export-hybrid SOURCE {path}"
+
+
+def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
+    """model.json and the ModelConfig it describes, or a UserError naming what is wrong."""
+    mf = path / MANIFEST
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{mf} is not valid JSON ({e}); the export is damaged: {_reexport(path)}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise UserError(f"{mf}: not a {FORMAT} manifest (format {got!r}); {_reexport(path)}")
+    for key, kind in REQUIRED.items():
+        if not isinstance(manifest.get(key), kind):
+            raise UserError(f"{mf} has no valid {key!r} entry; the export is damaged: {_reexport(path)}")
+    try:
+        cfg = ModelConfig.from_dict(manifest["config"])
+        _check_config(cfg)
+        cfg.validate()
+    except (TypeError, KeyError, ValueError) as e:
+        raise UserError(f"{mf}: its config is not a model config ({e}); {_reexport(path)}") from None
+    except UserError as e:
+        raise UserError(f"{mf}: {e}; {_reexport(path)}") from None
+    for name, g in manifest["graphs"].items():
+        if not isinstance(g, dict) or not isinstance(g.get("file"), str) or not isinstance(g.get("n"), int):
+            raise UserError(f"{mf}: graph entry {name!r} is damaged; {_reexport(path)}")
+    if "prefill" not in manifest["graphs"] or "decode" not in manifest["graphs"]:
+        raise UserError(f"{mf} lists no prefill/decode graphs; {_reexport(path)}")
+    if manifest["chunk"] != manifest["graphs"]["prefill"]["n"]:
+        raise UserError(f"{mf}: chunk {manifest['chunk']} contradicts the prefill graph's "
+                        f"{manifest['graphs']['prefill']['n']} tokens; {_reexport(path)}")
+    return manifest, cfg
+
+
+def _check_config(cfg: ModelConfig) -> None:
+    ints = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                                         "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                                         "linear_conv_kernel_dim", "max_position_embeddings")}
+    for k, v in ints.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive integer, got {v!r}")
+    if not cfg.layer_types or not set(cfg.layer_types) <= {LINEAR, FULL}:
+        raise ValueError(f"layer_types {list(cfg.layer_types)!r}")
+
+
+def _dims(shape) -> list:
+    return [d if isinstance(d, int) else None for d in shape]
+
+
+def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int) -> None:
+    """The graph's declared inputs/outputs against what the manifest's config feeds and expects."""
+    if name not in _CHAIN_GRAPHS:
+        return
+    feed = chain_feed(cfg, State.fresh(cfg, KV_BLOCK), [0], n)
+    inputs = {i.name: _dims(i.shape) for i in session.get_inputs()}
+    optional = {i.name for i in session.get_overridable_initializers()}
+
+    def contradiction(what: str) -> UserError:
+        return UserError(f"{path / MANIFEST} contradicts {name}'s graph: {what}; the export is damaged or was "
+                         f"edited: {_reexport(path)}")
+
+    for k in inputs:
+        if k not in feed and k not in optional:
+            raise contradiction(f"the graph takes {k}, which the manifest's config does not produce")
+    for k, arr in feed.items():
+        if k not in inputs:
+            if k.startswith(_STATE_PREFIXES):
+                raise contradiction(f"the config has state {k}, the graph does not take it")
+            continue
+        want = inputs[k]
+        if len(want) != arr.ndim or any(w is not None and w != a for w, a in zip(want, arr.shape)):
+            raise contradiction(f"input {k} is {want} in the graph, {list(arr.shape)} by the config")
+    for o in session.get_outputs():
+        d = _dims(o.shape)
+        last = d[-1] if d else None
+        if o.name == "logits" and last not in (None, cfg.vocab_size):
+            raise contradiction(f"logits have {last} entries, the config's vocab_size is {cfg.vocab_size}")
+        if o.name.startswith("tap.") and last not in (None, cfg.hidden_size):
+            raise contradiction(f"{o.name} is {last} wide, the config's hidden_size is {cfg.hidden_size}")
+
+
+def damaged(path: Path, file: str, e: Exception) -> UserError:
+    """ONNX Runtime (or a reader) refused a file the integrity check could not vouch for."""
+    first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    return UserError(f"{path / file} does not load ({first}); the export is damaged: {_reexport(path)}")
+

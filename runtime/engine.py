@@ -284,21 +284,23 @@ class Engine:
         length = getattr(self.drafter, "length", None) if self.drafter is not None else None
         self.checkpoints.add(Checkpoint.take(self.state, self._tap_pending, length))
 
+    def resumable(self, prompt_ids: list[int]) -> int:
+        """How many of prompt_ids resume() would keep, without changing anything."""
+        return HeldContext(self.state, self._pending, self.checkpoints.items).resumable(prompt_ids)
+
     def resume(self, prompt_ids: list[int]) -> int:
         """Make the context a prefix of `prompt_ids` as cheaply as it can: keep it when it already is
         one, else go back to the latest checkpoint at or before where the two part (at least one
         prompt token is left to prefill, for its logits), else start over. Returns how many prompt
         tokens are in the context now: generate(prompt_ids[kept:], append=True) continues."""
-        context = self.context_ids()
-        common = common_prefix(context, prompt_ids)
-        if common == len(context) < len(prompt_ids):
-            return common
-        checkpoint = self.checkpoints.latest_at_or_before(min(common, len(prompt_ids) - 1))
-        if checkpoint is None:
+        kept = self.resumable(prompt_ids)
+        if kept == len(self.context_ids()):
+            return kept  # the context is a prefix of the prompt (or empty): keep it all
+        if kept == 0:
             self.reset()
             return 0
-        if self._pending:  # the checkpoint is inside the committed context; the pending token is past it
-            self._pending = []
+        checkpoint = self.checkpoints.latest_at_or_before(kept)
+        self._pending = []  # the checkpoint is inside the committed context; the pending token is past it
         checkpoint.restore(self.state)
         self.checkpoints.drop_after(checkpoint.position)
         self._tap_pending = checkpoint.tap

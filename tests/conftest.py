@@ -75,3 +75,32 @@ def htp_profile(tmp_path_factory):
     path = tmp_path_factory.mktemp("profiles") / "test-htp.toml"
     path.write_text(text)
     return str(path)
+
+
+# ---------------------------------------------------------------- the released Qwen3.5 chat stack
+class Release:
+    def __init__(self, src, out, ref, cache):
+        self.src, self.out, self.ref, self.cache = src, out, ref, cache
+
+    def hf_tokenizer(self):
+        return hf_tokenizer(self.src)
+
+
+def hf_tokenizer(src):
+    """transformers' tokenizer for a Qwen3.5 checkpoint: its AutoTokenizer maps model_type qwen3_5 to
+    Qwen3_5Tokenizer whatever tokenizer_class the release's tokenizer_config.json names (it says
+    Qwen2Tokenizer, whose split pattern differs on combining marks); our text-only fixture says
+    qwen3_5_text, so name the class."""
+    from transformers import Qwen3_5Tokenizer
+    return Qwen3_5Tokenizer.from_pretrained(src)
+
+
+@pytest.fixture(scope="session")
+def release(tmp_path_factory):
+    """No generation_config.json (as the 0.8B/2B releases may ship): eos comes from the other files."""
+    from qwen35_release import write_real_vocab_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen35_release")
+    ref = write_real_vocab_checkpoint(root / "hf", root / "tok-cache", seed=11)
+    export(root / "hf", root / "export", chunk=CHUNK)
+    return Release(root / "hf", root / "export", ref, root / "tok-cache")

@@ -1,0 +1,105 @@
+"""npu-serve: an OpenAI-compatible local server (chat completions) over one exported model.
+
+    npu-serve [MODEL] [--profile P] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
+
+Point a client at http://127.0.0.1:8080/v1 with the model name GET /v1/models gives. Needs the
+[serve] extra (FastAPI, uvicorn, sse-starlette).
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+
+from hybrid_npu.cli_common import OneLineParser, byte_size
+from hybrid_npu.errors import UserError
+
+from .engine import PREFILL_MODES
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="npu-serve", description="Serve an exported hybrid model through an OpenAI-compatible "
+                                                    "API (POST /v1/chat/completions, GET /v1/models, GET /health).")
+    p.add_argument("model", nargs="?", help="an export-hybrid output directory (default: the embedded model)")
+    p.add_argument("--profile", default="cpu", help="device profile name or TOML path (default: cpu)")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="auto", help="where prompts are prefilled")
+    p.add_argument("--memory", type=byte_size, help="memory budget: bytes or e.g. 8G (default: the profile's)")
+    p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--no-speculative", action="store_true", help="decode token by token even with a drafter")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--cors-origin", help="allow browser requests from this one origin (default: none)")
+    p.add_argument("--conversations", type=int, default=4,
+                   help="conversations whose state is kept for reuse across requests (default: 4)")
+    p.add_argument("--model-name", help="the model id clients use (default: the export directory's name)")
+    return p
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_args(a) -> None:
+    if not 0 < a.port < 65536:
+        raise UserError(f"--port {a.port}: give a port from 1 to 65535")
+    if a.conversations < 1:
+        raise UserError(f"--conversations {a.conversations}: give at least 1")
+    if a.threads is not None and a.threads < 1:
+        raise UserError(f"--threads {a.threads}: give at least 1")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Say in one line that the address is taken, before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port or --host") from None
+
+
+def main(argv=None) -> int:
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        check_args(a)
+        try:
+            import uvicorn
+
+            from .server import ChatService, create_app
+        except ImportError as e:
+            raise UserError(f"npu-serve needs the serve extra ({e.name} is missing): "
+                            "pip install 'hybrid-npu[serve]'") from None
+        from .model_args import open_model
+
+        if not _loopback(a.host) and not a.api_key:
+            print(f"npu-serve: warning: listening on {a.host} without --api-key: anyone who can reach this machine "
+                  "can use the model", file=sys.stderr)
+        _check_port(a.host, a.port)
+        engine = open_model(a.model, a)
+        service = ChatService(engine, a.model_name or engine.path.name, a.conversations,
+                              False if a.no_speculative else None)
+        app = create_app(service, a.api_key, a.cors_origin)
+        drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
+        print(f"npu-serve: {engine.path} as {service.model_id!r} on http://{a.host}:{a.port}/v1 (profile "
+              f"{engine.profile.name}, speculative {drafter}, context {engine.memory.max_context} tokens); "
+              "Ctrl-C stops", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)
+        return 0
+    except UserError as e:
+        print(f"npu-serve: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

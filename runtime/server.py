@@ -1,0 +1,220 @@
+"""npu-serve's application: OpenAI-compatible chat completions over one engine.
+
+One model, one worker thread: requests run in arrival order (a single-thread executor is a FIFO
+queue), so a waiting request's stream starts when its turn comes. Each request renders its
+messages with the model's own template (the same code path as npu-chat), goes to whichever kept
+conversation keeps the most of that prompt (serve_contexts.py), prefills only the rest and keeps
+two turn checkpoints, as a chat turn does. A client that goes away mid-stream stops its generation
+at the last committed token; the context it leaves is consistent and can be resumed from.
+"""
+
+import asyncio
+import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from hybrid_npu.errors import UserError
+
+from . import serve_api as api
+from .chat_template import ChatTemplate
+from .conversation import StreamDecoder, checkpoint_marks
+from .serve_contexts import ServedContexts
+
+
+@dataclass
+class Prepared:
+    request: api.ChatRequest
+    ids: list[int]
+    max_tokens: int
+    thinking: bool  # the prompt opened a <think> block: the reply starts with reasoning
+
+
+@dataclass
+class Result:
+    message: dict
+    finish: str
+    usage: dict
+
+
+def _log(line: str) -> None:
+    print(f"npu-serve: {line}", file=sys.stderr, flush=True)
+
+
+class ChatService:
+    def __init__(self, engine, model_id: str, conversations: int = 4, speculative: bool | None = None,
+                 log: Callable[[str], None] = _log):
+        self.engine, self.model_id, self.speculative, self.log = engine, model_id, speculative, log
+        self.template = ChatTemplate.from_export(engine.path)
+        self.contexts = ServedContexts(engine, max(conversations - 1, 0))  # the engine holds one more
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-serve")
+
+    def prepare(self, req: api.ChatRequest) -> Prepared:
+        """Render and count before any work: a prompt over the memory plan is refused here."""
+        try:
+            text = self.template.render(req.messages, add_generation_prompt=True,
+                                        enable_thinking=req.enable_thinking, tools=req.tools)
+        except UserError as e:
+            raise api.BadRequest(str(e), "messages") from None
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+        limit = self.engine.memory.max_context
+        max_tokens = req.max_tokens or max(min(limit - len(ids), api.DEFAULT_MAX_TOKENS), 1)
+        if len(ids) + max_tokens > limit:
+            raise api.BadRequest(f"this request needs {len(ids)} prompt tokens + {max_tokens} to generate = "
+                                 f"{len(ids) + max_tokens}, but the memory plan allows {limit} tokens of context; "
+                                 "shorten the conversation or lower max_tokens", "messages", "context_length_exceeded")
+        return Prepared(req, ids, max_tokens, text.endswith("<think>\n"))
+
+    def run(self, p: Prepared, on_delta: Callable[[dict], None] | None, gone: Callable[[], bool]) -> Result:
+        """Generate the reply (in the worker thread); on_delta gets stream deltas as they are shown."""
+        req, engine = p.request, self.engine
+        self.contexts.take_best(p.ids, len(p.ids) + p.max_tokens)
+        kept = engine.resume(p.ids)
+        marks = checkpoint_marks(engine, self.template, req.messages, p.ids, req.enable_thinking, req.tools)
+        decoder, shown, stopped = StreamDecoder(engine.tokenizer), ["", ""], [False]
+
+        def show(final: bool) -> None:
+            reasoning, content, stopped[0] = api.visible(decoder.shown, req.stop, p.thinking, bool(req.tools), final)
+            for key, text, i in (("reasoning_content", reasoning, 0), ("content", content, 1)):
+                if len(text) > len(shown[i]) and text.startswith(shown[i]):
+                    if on_delta is not None:
+                        on_delta({key: text[len(shown[i]):]})
+                    shown[i] = text
+
+        def on_token(token: int) -> None:
+            decoder.push(token)
+            show(final=False)
+
+        new = engine.generate(p.ids[kept:], p.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                              top_p=req.top_p, seed=req.seed, on_token=on_token, append=True,
+                              speculative=self.speculative, should_stop=lambda: stopped[0] or gone(),
+                              checkpoint_at=marks)
+        decoder.flush()
+        show(final=True)
+        text = decoder.shown
+        calls = api.tool_calls_of(text, req.tools) if req.tools else []
+        message = {"role": "assistant", "content": shown[1] if shown[1] or not calls else None}
+        if p.thinking:
+            message["reasoning_content"] = shown[0]
+        if calls:
+            message["tool_calls"] = calls
+        ended = stopped[0] or (new and new[-1] in engine.config.eos_token_ids) or gone()
+        finish = "tool_calls" if calls else "stop" if ended else "length"
+        s = engine.last_stats
+        rate = f"{s['decode_tokens_per_s']:.1f} tok/s" if len(new) > 1 else "n/a tok/s"
+        self.log(f"{len(p.ids)} prompt tokens ({kept} cached, {s['prefill_tokens']} prefilled on "
+                 f"{s['prefill_device']}), {len(new)} generated at {rate}, finish {finish}"
+                 + (" (client gone)" if gone() else ""))
+        return Result(message, finish, api.usage(len(p.ids), len(new), kept))
+
+
+def create_app(service: ChatService, api_key: str | None = None, cors_origin: str | None = None):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from sse_starlette.sse import EventSourceResponse
+
+    app = FastAPI(title="npu-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if cors_origin:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=[cors_origin], allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    def refuse(e: api.BadRequest) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1") and \
+                request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return refuse(api.BadRequest("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                         status=401, kind="authentication_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        return refuse(api.BadRequest("the request does not match the API; see the OpenAI chat completions format"))
+
+    @app.exception_handler(Exception)
+    async def failed(request, exc):  # never a traceback in a body
+        service.log(f"internal error: {type(exc).__name__}: {exc}")
+        return JSONResponse(api.error_body(f"internal error ({type(exc).__name__}); see the server log",
+                                           "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": service.model_id}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
+                                            "owned_by": "hybrid-npu"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError:
+            return refuse(api.BadRequest("the request body is not valid JSON"))
+        try:
+            prepared = service.prepare(api.parse_request(body))
+        except api.BadRequest as e:
+            return refuse(e)
+        loop, cid = asyncio.get_running_loop(), api.completion_id()
+        if not prepared.request.stream:
+            try:
+                result = await loop.run_in_executor(service.executor, service.run, prepared, None, lambda: False)
+            except UserError as e:
+                return refuse(api.BadRequest(str(e)))
+            return api.completion(cid, service.model_id, result.message, result.finish, result.usage)
+        return EventSourceResponse(_stream(service, prepared, cid, loop), ping=15, sep="\n")
+
+    return app
+
+
+async def _stream(service: ChatService, prepared: Prepared, cid: str, loop):
+    """The reply as chat.completion.chunk events: the role when the request's turn comes, the text
+    as it is decoded, the tool calls and finish reason, then usage (if asked) and [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+    gone = threading.Event()
+
+    def put(item) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def job() -> None:
+        try:
+            if gone.is_set():  # left while waiting in the queue: no work at all
+                return
+            put(("delta", {"role": "assistant", "content": ""}))
+            put(("done", service.run(prepared, lambda d: put(("delta", d)), gone.is_set)))
+        except UserError as e:
+            put(("error", str(e)))
+        except Exception as e:  # noqa: BLE001 - reported to the client and the log, never a traceback
+            service.log(f"internal error: {type(e).__name__}: {e}")
+            put(("error", f"internal error ({type(e).__name__}); see the server log"))
+        finally:
+            put(("end", None))
+
+    model = service.model_id
+    loop.run_in_executor(service.executor, job)
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "delta":
+                yield {"data": json.dumps(api.chunk(cid, model, value))}
+            elif kind == "done":
+                if value.message.get("tool_calls"):
+                    calls = [dict(c, index=i) for i, c in enumerate(value.message["tool_calls"])]
+                    yield {"data": json.dumps(api.chunk(cid, model, {"tool_calls": calls}))}
+                yield {"data": json.dumps(api.chunk(cid, model, {}, value.finish))}
+                if prepared.request.include_usage:
+                    yield {"data": json.dumps(api.chunk(cid, model, None, use=value.usage))}
+            elif kind == "error":
+                yield {"data": json.dumps(api.error_body(value))}
+            else:
+                yield {"data": "[DONE]"}
+                return
+    finally:
+        gone.set()  # a client that went away stops the generation at the next step

@@ -8,14 +8,14 @@ import threading
 
 from hybrid_npu.errors import UserError
 
-from .conversation import Conversation, Reply, Sampling, sidecar
+from .conversation import Conversation, Reply, Sampling
 
 PROMPT = "you> "
 HELP = """commands:
   /help          this list
   /reset         forget the conversation (the system prompt stays)
   /system TEXT   set the system prompt (no TEXT: none); the turns so far stay
-  /save FILE     save the conversation: FILE (engine snapshot) and FILE.json (messages)
+  /save FILE     save the conversation (engine snapshot + messages) to FILE, atomically
   /load FILE     continue a conversation saved with /save
   /stats         the last reply's numbers and the memory plan
   /exit          leave (Ctrl-D too)
@@ -103,6 +103,9 @@ class Repl:
                 print(f"npu-chat: {e}", file=sys.stderr, flush=True)
             except KeyboardInterrupt:  # Ctrl-C while no reply was running (a command, a save)
                 self.say()
+            except Exception as e:  # noqa: BLE001 - a bug must not end the session and lose the chat
+                print(f"npu-chat: {type(e).__name__}: {' '.join(str(e).split())} (the conversation is kept; "
+                      "/save it and report this)", file=sys.stderr, flush=True)
 
     def handle(self, line: str) -> str | None:
         if not line:
@@ -135,10 +138,11 @@ class Repl:
             if not arg:
                 raise UserError(f"/{name} needs a file name, e.g. /{name} chat.state")
             if name == "save":
-                self.say(f"saved {arg} and {self.conv.save(arg).name}")
+                self.conv.save(arg)
+                self.say(f"saved {arg}: {len(self.conv.messages)} messages")
             else:
                 self.conv.load(arg)
-                self.say(f"loaded {arg} and {sidecar(arg).name}: {len(self.conv.messages)} messages, "
+                self.say(f"loaded {arg}: {len(self.conv.messages)} messages, "
                          f"{len(self.conv.engine.context_ids())} tokens of context")
         elif name == "stats":
             for key, value in {**self.conv.engine.last_stats, **self.conv.engine.memory_report()}.items():

@@ -334,20 +334,26 @@ class Engine:
         return list(self.state.tokens) + list(self._pending)
 
     # ---------------------------------------------------------------- snapshots
-    def save_state(self, path) -> None:
-        """The whole conversation (GDN + conv states, K/V rows in use, token history) to one file."""
+    def save_state(self, path, extra: dict[str, str] | None = None) -> None:
+        """The whole conversation (GDN + conv states, K/V rows in use, token history) to one file;
+        `extra` (str -> str, e.g. a chat's messages) goes into the same file under its checksum."""
         from .snapshot import save_state
 
         if self._pending:  # the last reply's final token goes into the state first
             self._step("decode", self._pending)
             self._pending = []
-        save_state(self.state, path, manifest_hash(self.path))
+        save_state(self.state, path, manifest_hash(self.path), extra)
 
-    def load_state(self, path) -> None:
-        """Resume a conversation saved by save_state; refuses another model's or a damaged file."""
-        from .snapshot import load_state
+    def load_state(self, path, check: Callable[[dict], None] | None = None) -> dict:
+        """Resume a conversation saved by save_state; refuses another model's or a damaged file.
+        Returns the snapshot's extra metadata; `check(extra)` may refuse it (raise) before anything changes."""
+        from .snapshot import read_snapshot
 
-        self.state = load_state(path, self.config, manifest_hash(self.path), KV_BLOCK)
+        state, extra = read_snapshot(path, self.config, manifest_hash(self.path), KV_BLOCK)
+        if check is not None:
+            check(extra)
+        self.state = state
         self._pending, self._tap_pending = [], None
         if self.drafter is not None:  # its cache held the old context; it re-learns from the next round
             self.drafter.reset()
+        return extra

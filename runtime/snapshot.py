@@ -10,16 +10,18 @@ conversation saves in about 115 MiB and restores without re-running the prompt.
 The file is plain safetensors (never pickle): tensors `gdn.{i}.conv`, `gdn.{i}.recurrent`,
 `attention.{i}.key`, `attention.{i}.value` ([nKV, position, hd]) and `tokens` (int64
 [position]); the metadata holds `format`, `model` (the export's manifest hash), `position` and
-`checksum` (sha256 over every tensor's name, dtype, shape and bytes in sorted name order). A save
-goes to a temporary file in the same directory, then os.replace, so an interrupted save never
-leaves half a file under the final name.
+`checksum` (sha256 over every tensor's name, dtype, shape and bytes in sorted name order, then
+every extra metadata entry's key and value: a chat's messages ride in the same file and the same
+checksum, so a snapshot is one atomic unit). A save goes to a uniquely named temporary file in the
+same directory, then os.replace (atomic_io.py), so an interrupted, failed or concurrent save never
+leaves half a file, or one saver's messages with another's state, under the final name.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import tempfile
+import re
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +29,11 @@ import numpy as np
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 
+from .atomic_io import write_atomically
 from .state import State
 
 FORMAT = "hybrid-npu-state/1"
-_TMP_PREFIX = ".hybrid-npu-state-"
-_TMP_SUFFIX = ".tmp"
+RESERVED_KEYS = ("format", "model", "position", "checksum")  # the rest of the metadata is the caller's
 
 
 def _canonical(a: np.ndarray) -> np.ndarray:
@@ -39,13 +41,16 @@ def _canonical(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
 
 
-def checksum(tensors: dict[str, np.ndarray]) -> str:
-    """sha256 over name, dtype, shape and bytes of every tensor, in sorted name order."""
+def checksum(tensors: dict[str, np.ndarray], extra: dict[str, str] | None = None) -> str:
+    """sha256 over name, dtype, shape and bytes of every tensor, in sorted name order, then over
+    each extra metadata key and value (none: the same value as snapshots without extras)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         a = _canonical(tensors[name])
         h.update(f"{name}\0{a.dtype.name}\0{list(a.shape)}\0".encode())
         h.update(a.reshape(-1).view(np.uint8))  # a flat byte view: no copy, zero-size safe
+    for key in sorted(extra or {}):
+        h.update(f"meta\0{key}\0{extra[key]}\0".encode())
     return h.hexdigest()
 
 
@@ -62,39 +67,38 @@ def _tensors(state: State) -> dict[str, np.ndarray]:
     return out
 
 
-def save_state(state: State, path, model_hash: str) -> None:
-    """Write `state` to `path` (one safetensors file), atomically."""
-    from safetensors.numpy import save_file
+def _metadata(state: State, model_hash: str, tensors: dict[str, np.ndarray], extra: dict[str, str]) -> dict:
+    clash = set(extra) & set(RESERVED_KEYS)
+    if clash:
+        raise ValueError(f"metadata keys {sorted(clash)} are the snapshot's own")
+    extra = {str(k): str(v) for k, v in extra.items()}
+    return {**extra, "format": FORMAT, "model": str(model_hash), "position": str(state.position),
+            "checksum": checksum(tensors, extra)}
 
+
+def save_state(state: State, path, model_hash: str, extra: dict[str, str] | None = None) -> None:
+    """Write `state` to `path` (one safetensors file), atomically. `extra`: more metadata (str -> str)
+    kept in the same file under the same checksum, e.g. a chat's messages."""
     path = Path(path)
     if len(state.tokens) != state.position:
         raise UserError(f"cannot save state: it holds {len(state.tokens)} token ids for position {state.position}; "
                         f"save a state the engine produced")
     tensors = _tensors(state)
-    metadata = {"format": FORMAT, "model": str(model_hash), "position": str(state.position),
-                "checksum": checksum(tensors)}
-    if not path.parent.is_dir():
-        raise UserError(f"cannot save state to {path}: directory {path.parent} does not exist; create it first")
-    if path.is_dir():
-        raise UserError(f"cannot save state to {path}: it is a directory; give a file name such as {path / 'chat.state'}")
+    metadata = _metadata(state, model_hash, tensors, dict(extra or {}))
+    write_atomically(path, lambda tmp: _write_safetensors(tensors, tmp, metadata), "state")
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], file: Path, metadata: dict[str, str]) -> None:
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=path.parent)
-    except OSError as e:
-        raise UserError(f"cannot save state to {path}: {e.strerror or e}; choose a writable directory") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "r+b") as f:  # on disk before it takes the final name
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise UserError(f"cannot save state to {path}: {e.strerror or e}; check the path and free disk space") from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)  # gone already after os.replace; never mask the real error
-        except OSError:
-            pass
+        save_file(tensors, str(file), metadata=metadata)
+    except SafetensorError as e:  # its I/O errors carry "os error N": hand them on as the OSError they are
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
 
 
 def _expected_shapes(cfg: ModelConfig, position: int) -> dict[str, tuple[int, ...]]:
@@ -128,12 +132,22 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
 
 def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
     """Read a snapshot saved by save_state for the model `model_hash`; refuses anything else."""
+    return read_snapshot(path, cfg, model_hash, capacity)[0]
+
+
+def read_snapshot(path, cfg: ModelConfig, model_hash: str, capacity: int) -> tuple[State, dict[str, str]]:
+    """The State and the extra metadata (save_state's `extra`) of one snapshot, from one read of
+    one file: what a concurrent save replaces is either all seen or not at all."""
     path = Path(path)
-    if path.is_dir():
-        raise UserError(f"cannot load state {path}: it is a directory; give the file save_state wrote")
-    if not path.is_file():
-        raise UserError(f"cannot load state {path}: no such file; give the path save_state wrote")
+    try:
+        if path.is_dir():
+            raise UserError(f"cannot load state {path}: it is a directory; give the file save_state wrote")
+        if not path.is_file():
+            raise UserError(f"cannot load state {path}: no such file; give the path save_state wrote")
+    except OSError as e:  # e.g. a name too long for the filesystem
+        raise UserError(f"cannot load state {str(path)[:60]}…: {e.strerror or e}; give the path save_state wrote") from None
     metadata, tensors = _read(path)
+    extra = {k: v for k, v in metadata.items() if k not in RESERVED_KEYS}
 
     fmt = metadata.get("format")
     if fmt != FORMAT:
@@ -144,7 +158,7 @@ def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
     if saved_model != model_hash:
         raise UserError(f"cannot load state {path}: this snapshot belongs to another model ({saved_model[:12]}…, "
                         f"this one is {model_hash[:12]}…); load it with the model it was saved from")
-    if metadata.get("checksum") != checksum(tensors):
+    if metadata.get("checksum") != checksum(tensors, extra):
         raise UserError(f"cannot load state {path}: altered or damaged: checksum mismatch; "
                         f"save the state again or use an intact copy")
     try:
@@ -180,4 +194,4 @@ def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
         layer.value[:, :position] = tensors[f"attention.{i}.value"]
     state.position = position
     state.tokens = [int(t) for t in tensors["tokens"]]
-    return state
+    return state, extra

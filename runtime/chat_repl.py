@@ -123,6 +123,9 @@ class Repl:
                                     should_stop=stop)
         self.say()
         self.say(status_line(reply, self.conv))
+        if reply.stats.get("context_full"):
+            self.say(f"[context full: the memory plan allows {self.conv.engine.memory_report()['max_context']} tokens; "
+                     "/save it, /reset to go on, or restart with a larger --memory]")
 
     def command(self, name: str, arg: str) -> str | None:
         arg = arg.strip()

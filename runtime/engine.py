@@ -178,10 +178,17 @@ class Engine:
     def _check_fits(self, n_new: int) -> None:
         need, limit = self.state.position + n_new, self.memory.max_context
         if need > limit:
-            raise UserError(f"this needs {need} tokens of context but the memory plan allows {limit} "
-                            f"(budget {self.memory.budget_bytes / 2**30:.1f} GiB: weights "
-                            f"{self.memory.weights_bytes / 2**30:.2f} GiB + {self.memory.kv_bytes_per_token} B of K/V "
-                            "per token); shorten the input, free memory or raise the budget (memory=/--memory)")
+            who, detail, fix = self.memory.limit_and_fix()
+            raise UserError(f"this needs {need} tokens of context but {who} allows {limit} ({detail}); {fix}")
+
+    def _room(self) -> int:
+        """New tokens the plan still allows: each one becomes a row of the context (the last one on
+        the next step or save)."""
+        return max(self.memory.max_context - self.state.position, 0)
+
+    def _round_fits(self) -> bool:
+        """A speculative round writes a whole tree's rows before it keeps the accepted path."""
+        return self.state.position + self.manifest["graphs"]["verify"]["n"] <= self.memory.max_context
 
     def memory_report(self) -> dict:
         """Fixed and per-token costs, the context now and the largest one the budget allows."""
@@ -257,8 +264,10 @@ class Engine:
         if not append:
             self.reset()
         ids = self._pending + list(prompt_ids)  # the last reply's final token is not yet in the state
+        self._check_fits(len(ids) + 1)  # the prompt and at least one new token
         t0 = time.perf_counter()
         logits = self.prefill(ids, progress)
+        limit = min(max_new_tokens, self._room())  # the memory plan bounds decode and speculation too
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         token = choose(logits, temperature, top_k, top_p, rng)
@@ -266,13 +275,13 @@ class Engine:
         if self.drafter is not None and self._tap_pending is not None:
             self.drafter.observe([token], self._tap_pending[None])
             self._tap_pending = None
-        done = lambda: ((stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= max_new_tokens  # noqa: E731
+        done = lambda: ((stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= limit  # noqa: E731
                         or (should_stop is not None and should_stop()))
         if on_token:
             on_token(token)
         while not done():
-            if speculative:
-                emitted = self._speculative_round(new[-1], max_new_tokens - len(new), stop_at_eos,
+            if speculative and self._round_fits():  # near the plan's limit the last tokens decode plainly
+                emitted = self._speculative_round(new[-1], limit - len(new), stop_at_eos,
                                                   temperature, top_k, top_p, rng)
             else:
                 emitted = [choose(self._step("decode", [new[-1]]), temperature, top_k, top_p, rng)]
@@ -287,6 +296,8 @@ class Engine:
             "prefill_device": self._prefill_devices, "decode_tokens": len(new),
             "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": CPU_DEVICE,
             "ttft_s": t_prefill, "context_tokens": self.state.position + len(self._pending),
+            "finish_reason": _finish_reason(new, stop_at_eos, self.config.eos_token_ids, should_stop),
+            "context_full": len(new) >= limit and limit < max_new_tokens,
         }
         if speculative:
             r = self.spec_stats
@@ -358,3 +369,13 @@ class Engine:
         if self.drafter is not None:  # its cache held the old context; it re-learns from the next round
             self.drafter.reset()
         return extra
+
+
+def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> str:
+    """"stop": end of turn; "interrupted": should_stop (Ctrl-C); "length": max_new_tokens or the
+    memory plan's context limit (last_stats["context_full"] says which)."""
+    if stop_at_eos and new[-1] in eos_ids:
+        return "stop"
+    if should_stop is not None and should_stop():
+        return "interrupted"
+    return "length"

@@ -194,3 +194,37 @@ def test_closed_stdout_exits_quietly(text_tied, tmp_path, cli):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 1, err  # Python's own exit status on EPIPE
     assert err == "", err
+
+
+# ---------------------------------------------------------------- the memory plan bounds decoding (point 11)
+def _budget(plan, max_context: int) -> int:
+    return plan.weights_bytes + plan.state_bytes + max_context * (plan.kv_bytes_per_token + plan.scratch_bytes_per_token)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_generation_stops_at_the_plans_limit(speculative):
+    model = hybrid_npu.default_model()  # it has a drafter (verify trees of 16 nodes)
+    reference = hybrid_npu.load(model)
+    prompt = reference.tokenizer.encode("def parse(text):\n").ids
+    room = 40
+    limit = len(prompt) + room
+    engine = hybrid_npu.load(model, memory=_budget(reference.memory, limit))
+    assert engine.memory_report()["max_context"] == limit
+    new = engine.generate(prompt, 5000, stop_at_eos=False, speculative=speculative)
+    assert len(new) == room and len(engine.context_ids()) == limit  # stopped at the plan, not at 5000
+    assert engine.last_stats["finish_reason"] == "length" and engine.last_stats["context_full"]
+    if speculative:
+        assert engine.last_stats["rounds"] > 0  # it speculated, then decoded the last tokens plainly
+    assert new == reference.generate(prompt, room, stop_at_eos=False, speculative=False)  # what it did emit is right
+    assert engine.state.position <= limit
+    with pytest.raises(UserError, match=f"needs {limit + 2} tokens of context but the memory plan allows {limit}"):
+        engine.generate([5], 4, append=True)  # the next turn is refused before any work, in one line
+    assert len(engine.context_ids()) == limit
+
+
+def test_a_prompt_that_fills_the_plan_leaves_no_room_and_is_refused(text_tied):
+    plan = hybrid_npu.load(text_tied.out).memory
+    engine = hybrid_npu.load(text_tied.out, memory=_budget(plan, 12))
+    with pytest.raises(UserError, match="needs 13 tokens of context"):
+        engine.generate(list(range(12)), 4)
+    assert engine.generate(list(range(11)), 4, stop_at_eos=False) and len(engine.context_ids()) == 12

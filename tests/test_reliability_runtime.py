@@ -228,3 +228,82 @@ def test_a_prompt_that_fills_the_plan_leaves_no_room_and_is_refused(text_tied):
     with pytest.raises(UserError, match="needs 13 tokens of context"):
         engine.generate(list(range(12)), 4)
     assert engine.generate(list(range(11)), 4, stop_at_eos=False) and len(engine.context_ids()) == 12
+
+
+# ---------------------------------------------------------------- a huge document (point 10, 14: sniffing)
+PEAK = r"""
+import resource, sys
+from hybrid_npu.runtime.summarize_cli import main
+code = main(sys.argv[1:])
+print(f"PEAK {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def summarize_peak(*args):
+    """npu-summarize in a fresh process: (exit code, stderr without the PEAK line, peak RSS bytes)."""
+    proc = subprocess.run([sys.executable, "-c", PEAK, *map(str, args)], capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    peak = int(lines[-1].split()[1])
+    return proc.returncode, "\n".join(lines[:-1]), peak
+
+
+def code_text(n_bytes: int) -> str:
+    lines, size, i = [], 0, 0
+    while size < n_bytes:
+        line = f"def handler_{i}(request, value={i}):\n    return request.send(value + {i % 97})\n"
+        lines.append(line)
+        size, i = size + len(line), i + 1
+    return "".join(lines)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="peak RSS through resource.getrusage (POSIX)")
+def test_a_huge_document_is_refused_before_it_is_in_memory(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text(code_text(2000))
+    code, err, baseline = summarize_peak(small, "--quiet", "--max-new-tokens", 8)
+    assert code == 0, err
+
+    sparse = tmp_path / "huge.txt"  # 4 GiB that take no disk: text, then a hole
+    with open(sparse, "wb") as f:
+        f.write(code_text(4096).encode())
+        f.truncate(4 << 30)
+    code, err, peak_sparse = summarize_peak(sparse)
+    assert code == 2 and "at least" in _one_line(err) and "max_position_embeddings is 65536" in err, err
+    assert "4.0 GiB" in err and "split it" in err
+
+    notes = tmp_path / "NOTES"  # no suffix: text is recognised by its first bytes
+    notes.write_text(code_text(5 << 20))  # 5 MB: under the size bound, over the 65536-token context
+    code, err, peak_streamed = summarize_peak(notes)
+    assert code == 2 and "at least" in _one_line(err) and "65536-token context" in err, err
+    print(f"\npeak RSS: small document {baseline / 2**20:.0f} MiB, 4 GiB sparse file {peak_sparse / 2**20:.0f} MiB,"
+          f" 5 MB text {peak_streamed / 2**20:.0f} MiB")
+    assert peak_sparse < baseline + (32 << 20) and peak_streamed < baseline + (64 << 20)
+
+
+def test_text_without_a_known_suffix_is_sniffed(tmp_path, capsys):
+    from hybrid_npu.runtime.summarize_cli import main
+
+    (tmp_path / "README").write_text("def f(x):\n    return x\n")
+    (tmp_path / "blob").write_bytes(b"\x7fELF\x02\x01\x01\0\0\0")
+    assert main([str(tmp_path / "README"), "--max-new-tokens", "4", "--json"]) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path / "blob")]) == 2
+    assert "not a text document (binary data at byte 0)" in _one_line(capsys.readouterr().err)
+
+
+def test_blockwise_reading_equals_reading_whole(tmp_path, monkeypatch):
+    import random
+
+    from hybrid_npu.runtime import documents
+
+    for block in (1, 2, 3, 7, 64):
+        monkeypatch.setattr(documents, "BLOCK_BYTES", block)
+        rng = random.Random(block)
+        for trial in range(100):
+            text = "".join(rng.choice(["a", " ", "\n", "\r\n", "é", "€", "  x", "\r"]) for _ in range(rng.randint(1, 60)))
+            raw = (b"\xef\xbb\xbf" if trial % 3 == 0 else b"") + (text + "z").encode()
+            (tmp_path / "d.txt").write_bytes(raw)
+            blocks = []
+            got = documents.read_document(tmp_path / "d.txt", take=blocks.append)
+            assert got == "".join(blocks) == raw.decode("utf-8-sig").replace("\r\n", "\n")

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
     try:
-        from .chat_repl import Repl
+        from .chat_repl import Repl, wrap_words
         from .conversation import Conversation, Sampling
 
         check_args(a)
@@ -71,8 +71,9 @@ def main(argv=None) -> int:
             one_shot(conv, sampling, a.prompt, a.json)
             return 0
         drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
-        print(f"npu-chat: {engine.path} (profile {engine.profile.name}, speculative {drafter}); "
-              "/help for commands, Ctrl-D to leave", flush=True)
+        name = "the embedded default model" if a.model is None else engine.path  # not a site-packages path
+        print(wrap_words(f"npu-chat: {name} (profile {engine.profile.name}, speculative {drafter}); "
+                         "/help for commands, Ctrl-D to leave"), flush=True)
         return Repl(conv, sampling).run()
     except UserError as e:
         print(f"npu-chat: {e}", file=sys.stderr)

@@ -146,6 +146,7 @@ class Conversation:
         """Forget the turns (the system prompt stays) and the engine's context."""
         self.messages = self.messages[:1] if self.system is not None else []
         self.engine.reset()
+        self.engine.last_stats = {}  # /stats must not show the forgotten reply's numbers
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation rendered by the template (ending in the assistant's cue), as token ids."""

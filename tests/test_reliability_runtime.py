@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import hybrid_npu
@@ -307,3 +306,89 @@ def test_blockwise_reading_equals_reading_whole(tmp_path, monkeypatch):
             blocks = []
             got = documents.read_document(tmp_path / "d.txt", take=blocks.append)
             assert got == "".join(blocks) == raw.decode("utf-8-sig").replace("\r\n", "\n")
+
+
+# ---------------------------------------------------------------- the REPL's small things (point 14)
+def test_repl_at_80_columns_names_the_model_wraps_between_words_and_forgets_on_reset(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    if sys.platform == "win32":
+        pytest.skip("pseudo-terminals are POSIX-only")
+    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+    child = pexpect.spawn(sys.executable, ["-m", "hybrid_npu.runtime.chat_cli", "--max-new-tokens", "100000",
+                                           "--ignore-eos", "--no-speculative"],  # the embedded model
+                          env=env, encoding="utf-8", codec_errors="replace", timeout=120, dimensions=(50, 80))
+    child.expect_exact("you>")
+    banner = child.before
+    assert "embedded default model" in banner and "site-packages" not in banner, banner
+    assert all(len(line) < 80 for line in banner.splitlines()) and "Ctrl-D to leave" in banner
+
+    child.sendline("Write a long story")
+    child.expect(pexpect.TIMEOUT, timeout=1.5)
+    child.sendintr()
+    child.expect(r"\[stopped\] \[prefill")
+    child.expect_exact("you>")
+    status = "[stopped] [prefill" + child.before
+    assert "^C" not in child.before and "^C" not in status, status  # the terminal did not echo Ctrl-C into the reply
+    lines = [line for line in status.splitlines() if line.strip()]
+    assert all(len(line) < 80 for line in lines) and len(lines) >= 2, lines  # wrapped, between parts only
+    assert all(part in status for part in ("decode ", " tok/s ", "context ", "RSS "))
+
+    child.sendline("/reset")
+    child.expect_exact("conversation reset")
+    child.expect_exact("you>")
+    child.sendline("/stats")
+    child.expect(r"max_context: \d+")
+    child.expect_exact("you>")
+    assert "prefill_tokens" not in child.before  # the forgotten reply's numbers are gone
+    child.sendline(f"/load {tmp_path}")
+    child.expect(r"npu-chat: [^\r\n]*")
+    assert "is a directory" in child.after and "no such file" not in child.after
+    child.expect_exact("you>")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
+
+OPEN_NPU_SESSION = r"""
+import sys
+import onnx
+from onnx import TensorProto, helper
+from hybrid_npu.profiles.loader import load_profile
+from hybrid_npu.runtime import qnn
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])
+graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", [x], [y])
+onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), sys.argv[1])
+try:
+    options = qnn.qnn_session_options(load_profile("snapdragon-x-elite").qnn_provider_options())
+except qnn.NpuUnavailable as e:
+    print("SKIP", e)
+    sys.exit(0)
+if sys.argv[2] == "plain":
+    qnn.ort.InferenceSession(sys.argv[1], options)
+else:
+    qnn.qnn_session(sys.argv[1], options)
+print("opened")
+"""
+
+
+def test_opening_an_npu_session_keeps_stdout_clean(tmp_path):
+    def stdout_of(how):
+        proc = subprocess.run([sys.executable, "-c", OPEN_NPU_SESSION, str(tmp_path / "add.onnx"), how],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        if proc.stdout.startswith("SKIP"):
+            pytest.skip(proc.stdout)
+        return proc.stdout
+
+    noisy = stdout_of("plain")
+    if "LIBNATIVE" not in noisy:
+        pytest.skip("this QNN build prints no native banner")
+    assert stdout_of("quiet") == "opened\n"  # the emulator's banner no longer lands in a reply or --json
+
+
+def test_tiny_memory_budget_is_shown_in_binary_units(text_tied, capsys):
+    from hybrid_npu.runtime.chat_cli import main
+
+    assert main([str(text_tied.out), "--memory", "1K", "--prompt", "hi"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "budget 1.0 KiB" in err and "0.0 GiB" not in err, err

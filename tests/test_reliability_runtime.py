@@ -392,3 +392,19 @@ def test_tiny_memory_budget_is_shown_in_binary_units(text_tied, capsys):
     assert main([str(text_tied.out), "--memory", "1K", "--prompt", "hi"]) == 2
     err = _one_line(capsys.readouterr().err)
     assert "budget 1.0 KiB" in err and "0.0 GiB" not in err, err
+
+
+# ---------------------------------------------------------------- the README's Python example (point 13)
+def test_readme_python_example_runs_and_its_next_turn_continues_the_reply(tmp_path, monkeypatch):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = readme.split("```python\n")[1:]
+    example = next(b.split("```")[0] for b in blocks if "prefill_logits" in b)
+    monkeypatch.chdir(tmp_path)  # it writes chat.state
+    namespace: dict = {}
+    exec(example.replace('"./qwen35-0.8b"', repr(str(hybrid_npu.default_model()))), namespace)
+    engine, ids, new_ids, more = (namespace[k] for k in ("engine", "ids", "new_ids", "more"))
+    turn = engine.tokenizer.encode(" and then").ids
+    # the next turn continues "Hello" + the reply, not "Hello" alone (prefill_logits resets the context)
+    assert engine.context_ids() == ids + new_ids + turn + more
+    fresh = hybrid_npu.load(hybrid_npu.default_model())
+    assert fresh.generate(ids + new_ids + turn, 32) == more  # greedy: the same as one fresh pass over it all

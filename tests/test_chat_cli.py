@@ -254,7 +254,6 @@ def test_load_refuses_altered_or_mismatched_chats_and_keeps_the_chat(engine, tmp
     sidecar(tmp_path / "legacy.state").write_text(json.dumps(legacy), encoding="utf-8")
     conv.reply("More", Sampling(max_new_tokens=3, speculative=False))
     conv.save(tmp_path / "b.state")
-    before, context = list(conv.messages), engine.context_ids()
 
     from safetensors import safe_open
     with safe_open(str(tmp_path / "b.state"), framework="np") as f:

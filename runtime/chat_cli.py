@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser
+from hybrid_npu.cli_common import OneLineParser, stdout_closed
 from hybrid_npu.errors import UserError
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
@@ -44,11 +44,7 @@ def check_args(a) -> None:
         raise UserError("--json needs --prompt (it prints one reply as JSON)")
     if a.render_only and a.prompt is None:
         raise UserError("--render-only needs --prompt (the message whose prompt to print)")
-    check_engine_arguments(a)
-    if a.top_p is not None and not 0 < a.top_p <= 1:
-        raise UserError(f"--top-p {a.top_p}: give a value in (0, 1]")
-    if a.top_k is not None and a.top_k < 0:
-        raise UserError(f"--top-k {a.top_k}: give 0 (off) or more")
+    check_engine_arguments(a)  # sampling flags too: the same rules as engine.generate
 
 
 def one_shot(conv, sampling, prompt: str, as_json: bool) -> None:
@@ -102,7 +98,7 @@ def main(argv=None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
     try:
-        from .chat_repl import Repl
+        from .chat_repl import Repl, wrap_words
         from .conversation import Conversation, Sampling
 
         from .tool_calls import read_tools
@@ -121,12 +117,15 @@ def main(argv=None) -> int:
             one_shot(conv, sampling, a.prompt, a.json)
             return 0
         drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
-        print(f"npu-chat: {engine.path} (profile {engine.profile.name}, speculative {drafter}, "
-              f"{sampling_note(engine, sampling)}); /help for commands, Ctrl-D to leave", flush=True)
+        name = "the embedded default model" if a.model is None else engine.path  # not a site-packages path
+        print(wrap_words(f"npu-chat: {name} (profile {engine.profile.name}, speculative {drafter}, "
+                         f"{sampling_note(engine, sampling)}); /help for commands, Ctrl-D to leave"), flush=True)
         return Repl(conv, sampling).run()
     except UserError as e:
         print(f"npu-chat: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # stdout closed early: `... | head`
+        return stdout_closed()
     except KeyboardInterrupt:  # Ctrl-C while loading or during a one-shot reply
         print(file=sys.stderr)
         return 130

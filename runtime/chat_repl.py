@@ -3,20 +3,22 @@ one status line per reply, slash commands, Ctrl-C that stops a reply and keeps t
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
+import textwrap
 import threading
 
 from hybrid_npu.errors import UserError
 
-from .conversation import Conversation, Reply, Sampling, sidecar
+from .conversation import Conversation, Reply, Sampling
 
 PROMPT = "you> "
 HELP = """commands:
   /help          this list
   /reset         forget the conversation (the system prompt stays)
   /system TEXT   set the system prompt (no TEXT: none); the turns so far stay
-  /save FILE     save the conversation: FILE (engine snapshot) and FILE.json (messages)
+  /save FILE     save the conversation (engine snapshot + messages) to FILE, atomically
   /load FILE     continue a conversation saved with /save
   /tool RESULT   give the model a tool's result (after it asked with a tool call); it answers on
   /stats         the last reply's numbers and the memory plan
@@ -45,14 +47,69 @@ class StopOnInterrupt:
         self._previous = None
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._previous = signal.signal(signal.SIGINT, self._handler)
+        self._echo = _echoctl_off()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        _echoctl_restore(self._echo)
 
 
-def status_line(reply: Reply, conv: Conversation) -> str:
+def _echoctl_off():
+    """A POSIX terminal echoes Ctrl-C as "^C" into the reply being streamed; turn that echo off while
+    a reply runs (Windows consoles do not echo it). Returns what to restore."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        if not sys.stdin.isatty():
+            return None
+        saved = termios.tcgetattr(fd)
+        quiet = list(saved)
+        quiet[3] &= ~termios.ECHOCTL
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+        return fd, saved
+    except (ImportError, AttributeError, OSError, ValueError):
+        return None
+
+
+def _echoctl_restore(saved) -> None:
+    if saved is not None:
+        import termios
+
+        try:
+            termios.tcsetattr(saved[0], termios.TCSANOW, saved[1])
+        except OSError:
+            pass
+
+
+def terminal_width(out) -> int | None:
+    """The terminal's columns when `out` is one (lines are wrapped to it), None for a pipe or file."""
+    return shutil.get_terminal_size().columns if out.isatty() else None
+
+
+def wrap_words(text: str, out=None) -> str:
+    """`text` wrapped between words at the terminal's width (a terminal wraps mid-word otherwise)."""
+    width = terminal_width(out or sys.stdout)
+    return textwrap.fill(text, width - 1, break_long_words=False, break_on_hyphens=False) if width else text
+
+
+def wrap_parts(parts: list[str], width: int | None, sep: str = " | ") -> str:
+    """Parts joined by sep, a line broken only between parts when it would pass `width` columns."""
+    if not width:
+        return sep.join(parts)
+    lines, line = [], ""
+    for part in parts:
+        if line and len(line) + len(sep) + len(part) >= width:
+            lines.append(line + sep.rstrip())
+            line = " " + part
+        else:
+            line = f"{line}{sep}{part}" if line else part
+    return "\n".join(lines + [line])
+
+
+def status_line(reply: Reply, conv: Conversation, width: int | None = None) -> str:
     import psutil
 
     s, mem = reply.stats, conv.engine.memory_report()
@@ -64,7 +121,9 @@ def status_line(reply: Reply, conv: Conversation) -> str:
         parts.append(f"accept {s['acceptance_length']:.2f}")
     parts.append(f"context {len(conv.engine.context_ids())}/{mem['max_context']}")
     parts.append(f"RSS {psutil.Process().memory_info().rss / 2**20:.0f} MiB")
-    return ("[stopped] " if reply.stopped else "") + "[" + " | ".join(parts) + "]"
+    parts[0] = ("[stopped] [" if reply.stopped else "[") + parts[0]
+    parts[-1] += "]"
+    return wrap_parts(parts, width)
 
 
 def _line_reader():
@@ -106,6 +165,11 @@ class Repl:
                 print(f"npu-chat: {e}", file=sys.stderr, flush=True)
             except KeyboardInterrupt:  # Ctrl-C while no reply was running (a command, a save)
                 self.say()
+            except BrokenPipeError:  # stdout is gone: nothing more can be shown (npu-chat exits quietly)
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug must not end the session and lose the chat
+                print(f"npu-chat: {type(e).__name__}: {' '.join(str(e).split())} (the conversation is kept; "
+                      "/save it and report this)", file=sys.stderr, flush=True)
 
     def handle(self, line: str) -> str | None:
         if not line:
@@ -123,7 +187,10 @@ class Repl:
         for call in reply.tool_calls:  # never run by us: the user runs it and answers with /tool
             self.say(self.show(f"[tool call] {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})"
                                " - answer with /tool RESULT"))
-        self.say(status_line(reply, self.conv))
+        self.say(status_line(reply, self.conv, terminal_width(self.out)))
+        if reply.stats.get("context_full"):
+            self.say(wrap_words(f"[context full: the memory plan allows {self.conv.engine.memory_report()['max_context']} "
+                                "tokens; /save it, /reset to go on, or restart with a larger --memory]", self.out))
 
     def command(self, name: str, arg: str) -> str | None:
         arg = arg.strip()
@@ -141,10 +208,11 @@ class Repl:
             if not arg:
                 raise UserError(f"/{name} needs a file name, e.g. /{name} chat.state")
             if name == "save":
-                self.say(f"saved {arg} and {self.conv.save(arg).name}")
+                self.conv.save(arg)
+                self.say(f"saved {arg}: {len(self.conv.messages)} messages")
             else:
                 self.conv.load(arg)
-                self.say(f"loaded {arg} and {sidecar(arg).name}: {len(self.conv.messages)} messages, "
+                self.say(f"loaded {arg}: {len(self.conv.messages)} messages, "
                          f"{len(self.conv.engine.context_ids())} tokens of context")
         elif name == "tool":
             if not arg:

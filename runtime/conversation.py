@@ -9,14 +9,15 @@ and prefills from there. Each turn keeps two checkpoints: where the next turn's 
 from this one (found by rendering the conversation with a stand-in reply and a next message), and
 the prompt's end before its last token (a regenerated reply prefills one token).
 
-/save writes the engine snapshot (safetensors, see snapshot.py) to FILE and the messages to the
-sidecar FILE.json, which records the snapshot's sha256 so a mismatched pair is refused.
+/save writes one file: the engine snapshot (safetensors, see snapshot.py) with the messages in its
+metadata under the same checksum, replaced in one step, so concurrent saves to one path leave one
+whole conversation and a reader never pairs one save's messages with another's state. Chats saved
+by earlier versions (snapshot + sidecar FILE.json holding the snapshot's sha256) still load.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,6 +29,7 @@ from .checkpoints import common_prefix
 from .tool_calls import check_tools, parse_tool_calls
 
 CHAT_FORMAT = "hybrid-npu-chat/1"
+CHAT_KEY = "chat"  # the snapshot metadata entry holding {"format", "messages"}
 
 
 @dataclass
@@ -160,6 +162,7 @@ class Conversation:
         """Forget the turns (the system prompt stays) and the engine's context."""
         self.messages = self.messages[:1] if self.system is not None else []
         self.engine.reset()
+        self.engine.last_stats = {}  # /stats must not show the forgotten reply's numbers
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation rendered by the template (ending in the assistant's cue), as token ids."""
@@ -190,40 +193,58 @@ class Conversation:
 
     # ---------------------------------------------------------------- save / load
     def save(self, path) -> Path:
-        """The engine snapshot to `path`, the messages to its sidecar; returns the sidecar."""
-        path = Path(path)
-        self.engine.save_state(path)
-        side = sidecar(path)
-        payload = {"format": CHAT_FORMAT, "state_sha256": _sha256(path), "messages": self.messages}
-        tmp = side.with_name(side.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps(payload, ensure_ascii=False, indent=1), encoding="utf-8")
-            os.replace(tmp, side)
-        except OSError as e:
-            raise UserError(f"cannot save chat to {side}: {e.strerror or e}; choose a writable directory") from None
-        return side
+        """The engine snapshot and the messages to `path`, one file written atomically; returns it."""
+        chat = json.dumps({"format": CHAT_FORMAT, "messages": self.messages}, ensure_ascii=False)
+        self.engine.save_state(path, extra={CHAT_KEY: chat})
+        return Path(path)
 
     def load(self, path) -> None:
         """Restore a chat saved by save(): the engine's context and the messages, both or neither."""
-        path, side = Path(path), sidecar(path)
-        if not path.is_file():
-            raise UserError(f"cannot load chat {path}: no such file; give a file written by /save")
+        path = Path(path)
         try:
-            data = json.loads(side.read_text(encoding="utf-8"))
+            if path.is_dir():
+                raise UserError(f"cannot load chat {path}: it is a directory; give a file written by /save")
+            if not path.is_file():
+                raise UserError(f"cannot load chat {path}: no such file; give a file written by /save")
+        except OSError as e:
+            raise UserError(f"cannot load chat {str(path)[:60]}…: {e.strerror or e}; give a file written by /save") from None
+        found: list = []
+        try:
+            self.engine.load_state(path, check=lambda extra: found.append(_saved_messages(path, extra)))
+        except UserError as e:  # the snapshot's own refusals, worded for a chat
+            raise UserError(str(e).replace("cannot load state", "cannot load chat", 1)) from None
+        self.messages = found[0]
+
+
+def _saved_messages(path: Path, extra: dict) -> list[dict]:
+    """The messages a snapshot carries, or (earlier versions) its sidecar's, bound by sha256."""
+    if CHAT_KEY in extra:
+        data, where = _json(extra[CHAT_KEY], path, path.name), path.name
+    else:
+        side = sidecar(path)
+        try:
+            text = side.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise UserError(f"cannot load chat {path}: its messages ({side.name}) are missing; "
-                            "keep the two files /save wrote together") from None
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot load chat {path}: {side.name} is unreadable ({e}); save the chat again") from None
-        messages = data.get("messages") if isinstance(data, dict) else None
-        if (data.get("format") if isinstance(data, dict) else None) != CHAT_FORMAT or not _valid(messages):
-            raise UserError(f"cannot load chat {path}: {side.name} is not a {CHAT_FORMAT} file; "
-                            "give a file written by /save")
-        if data.get("state_sha256") != _sha256(path):
+            raise UserError(f"cannot load chat {path}: it holds no messages (an engine snapshot, not a /save); "
+                            "load it with engine.load_state, or give a file written by /save") from None
+        except OSError as e:
+            raise UserError(f"cannot load chat {path}: {side.name} is unreadable ({e.strerror or e}); "
+                            "save the chat again") from None
+        data, where = _json(text, path, side.name), side.name
+        if isinstance(data, dict) and data.get("state_sha256") != _sha256(path):
             raise UserError(f"cannot load chat {path}: the snapshot does not match {side.name} "
                             "(overwritten or altered); save the chat again")
-        self.engine.load_state(path)  # validates model and checksum; changes nothing when it refuses
-        self.messages = messages
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if (data.get("format") if isinstance(data, dict) else None) != CHAT_FORMAT or not _valid(messages):
+        raise UserError(f"cannot load chat {path}: {where} holds no {CHAT_FORMAT} messages; give a file written by /save")
+    return messages
+
+
+def _json(text: str, path: Path, where: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise UserError(f"cannot load chat {path}: {where} is unreadable ({e}); save the chat again") from None
 
 
 def _valid(messages) -> bool:

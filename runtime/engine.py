@@ -19,13 +19,13 @@ from hybrid_npu.errors import UserError
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 
+from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext
 from .export_check import check_chain_graph, damaged, read_manifest
 from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
-from .sampling import choose, model_defaults
-from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext, common_prefix
+from .sampling import check_sampling, choose, model_defaults
 from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
@@ -211,10 +211,17 @@ class Engine:
     def _check_fits(self, n_new: int) -> None:
         need, limit = self.state.position + n_new, self.memory.max_context
         if need > limit:
-            raise UserError(f"this needs {need} tokens of context but the memory plan allows {limit} "
-                            f"(budget {self.memory.budget_bytes / 2**30:.1f} GiB: weights "
-                            f"{self.memory.weights_bytes / 2**30:.2f} GiB + {self.memory.kv_bytes_per_token} B of K/V "
-                            "per token); shorten the input, free memory or raise the budget (memory=/--memory)")
+            who, detail, fix = self.memory.limit_and_fix()
+            raise UserError(f"this needs {need} tokens of context but {who} allows {limit} ({detail}); {fix}")
+
+    def _room(self) -> int:
+        """New tokens the plan still allows: each one becomes a row of the context (the last one on
+        the next step or save)."""
+        return max(self.memory.max_context - self.state.position, 0)
+
+    def _round_fits(self) -> bool:
+        """A speculative round writes a whole tree's rows before it keeps the accepted path."""
+        return self.state.position + self.manifest["graphs"]["verify"]["n"] <= self.memory.max_context
 
     def memory_report(self) -> dict:
         """Fixed and per-token costs, the context now and the largest one the budget allows."""
@@ -349,6 +356,7 @@ class Engine:
         checkpoint_at: context positions inside this prefill at which to keep a turn checkpoint.
         temperature/top_k/top_p left None take the model's defaults (sampling_defaults: its
         generation_config; greedy unless that says do_sample); temperature 0 is greedy."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         d = self.sampling_defaults
         temperature = d["temperature"] if temperature is None else temperature
         top_k = d["top_k"] if top_k is None else top_k
@@ -360,6 +368,7 @@ class Engine:
         if not append:
             self.reset()
         ids = self._pending + list(prompt_ids)  # the last reply's final token is not yet in the state
+        self._check_fits(len(ids) + 1)  # the prompt and at least one new token
         pending, self._pending = self._pending, []
         t0 = time.perf_counter()
         try:
@@ -367,6 +376,7 @@ class Engine:
         except UserError:  # refused before any work: the context is as it was
             self._pending = pending
             raise
+        limit = min(max_new_tokens, self._room())  # the memory plan bounds decode and speculation too
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         token = choose(logits, temperature, top_k, top_p, rng)
@@ -374,13 +384,13 @@ class Engine:
         if self.drafter is not None and self._tap_pending is not None:
             self.drafter.observe([token], self._tap_pending[None])
             self._tap_pending = None
-        done = lambda: ((stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= max_new_tokens  # noqa: E731
+        done = lambda: ((stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= limit  # noqa: E731
                         or (should_stop is not None and should_stop()))
         if on_token:
             on_token(token)
         while not done():
-            if speculative:
-                emitted = self._speculative_round(new[-1], max_new_tokens - len(new), stop_at_eos,
+            if speculative and self._round_fits():  # near the plan's limit the last tokens decode plainly
+                emitted = self._speculative_round(new[-1], limit - len(new), stop_at_eos,
                                                   temperature, top_k, top_p, rng)
             else:
                 emitted = [choose(self._step("decode", [new[-1]]), temperature, top_k, top_p, rng)]
@@ -395,6 +405,8 @@ class Engine:
             "prefill_device": self._prefill_devices, "decode_tokens": len(new),
             "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": CPU_DEVICE,
             "ttft_s": t_prefill, "context_tokens": self.state.position + len(self._pending),
+            "finish_reason": _finish_reason(new, stop_at_eos, self.config.eos_token_ids, should_stop),
+            "context_full": len(new) >= limit and limit < max_new_tokens,
         }
         if speculative:
             r = self.spec_stats
@@ -443,24 +455,40 @@ class Engine:
         return list(self.state.tokens) + list(self._pending)
 
     # ---------------------------------------------------------------- snapshots
-    def save_state(self, path) -> None:
-        """The whole conversation (GDN + conv states, K/V rows in use, token history) to one file."""
+    def save_state(self, path, extra: dict[str, str] | None = None) -> None:
+        """The whole conversation (GDN + conv states, K/V rows in use, token history) to one file;
+        `extra` (str -> str, e.g. a chat's messages) goes into the same file under its checksum."""
         from .snapshot import save_state
 
         if self._pending:  # the last reply's final token goes into the state first
             self._step("decode", self._pending)
             self._pending = []
-        save_state(self.state, path, manifest_hash(self.path), self.checkpoints.items)
+        save_state(self.state, path, manifest_hash(self.path), extra, self.checkpoints.items)
 
-    def load_state(self, path) -> None:
+    def load_state(self, path, check: Callable[[dict], None] | None = None) -> dict:
         """Resume a conversation saved by save_state (its turn checkpoints too); refuses another
-        model's or a damaged file."""
-        from .snapshot import load_state
+        model's or a damaged file. Returns the snapshot's extra metadata; `check(extra)` may refuse it
+        (raise) before anything changes."""
+        from .snapshot import read_snapshot
 
-        self.state, saved = load_state(path, self.config, manifest_hash(self.path), KV_BLOCK)
+        state, extra, saved = read_snapshot(path, self.config, manifest_hash(self.path), KV_BLOCK)
+        if check is not None:
+            check(extra)
+        self.state = state
         self._pending, self._tap_pending = [], None
         self.checkpoints.clear()
         for checkpoint in saved:  # the drafter is not saved: a restore makes it start over
             self.checkpoints.add(checkpoint)
         if self.drafter is not None:  # its cache held the old context; it re-learns from the next round
             self.drafter.reset()
+        return extra
+
+
+def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> str:
+    """"stop": end of turn; "interrupted": should_stop (Ctrl-C); "length": max_new_tokens or the
+    memory plan's context limit (last_stats["context_full"] says which)."""
+    if stop_at_eos and new[-1] in eos_ids:
+        return "stop"
+    if should_stop is not None and should_stop():
+        return "interrupted"
+    return "length"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from hybrid_npu.cli_common import human_bytes
 from hybrid_npu.config import ModelConfig
 
 MARGIN_BYTES = 1 << 30  # left to the OS, the runtime's own code and activations
@@ -33,6 +34,23 @@ class MemoryPlan:
         if free <= 0:
             return 0
         return min(free // per_token, self.max_position) if per_token else self.max_position
+
+
+    @property
+    def limited_by_position(self) -> bool:
+        """The model's max_position_embeddings, not the budget, sets max_context."""
+        per_token = self.kv_bytes_per_token + self.scratch_bytes_per_token
+        free = self.budget_bytes - self.weights_bytes - self.state_bytes
+        return free > 0 and (not per_token or free // per_token >= self.max_position)
+
+    def limit_and_fix(self) -> tuple[str, str, str]:
+        """What sets max_context (who, the numbers behind it) and what a user can do about it."""
+        if self.limited_by_position:
+            return ("the model", f"its max_position_embeddings is {self.max_position}",
+                    "shorten the input or split it (no memory budget lets a model read past its positions)")
+        return ("the memory plan", f"budget {human_bytes(self.budget_bytes)}: weights {human_bytes(self.weights_bytes)}"
+                f" + {human_bytes(self.kv_bytes_per_token)} of K/V per token",
+                "shorten the input, free memory or raise the budget (memory=/--memory)")
 
 
 def resident_weight_bytes(weights: dict, cpu_sessions: int) -> int:

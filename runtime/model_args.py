@@ -21,10 +21,10 @@ def add_engine_arguments(p: OneLineParser, prefill_help: str) -> None:
 
 
 def check_engine_arguments(a) -> None:
-    if a.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {a.max_new_tokens}: give at least 1")
-    if a.temperature is not None and a.temperature < 0:
-        raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or more")
+    from .sampling import check_sampling
+
+    check_sampling(a.max_new_tokens, a.temperature, getattr(a, "top_k", 0), getattr(a, "top_p", 1.0), a.seed,
+                   flags=True)
     if a.threads is not None and a.threads < 1:
         raise UserError(f"--threads {a.threads}: give at least 1")
 

@@ -8,10 +8,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import onnxruntime as ort
-
 from .pipeline import Pipeline
-from .qnn import NpuUnavailable, qnn_session_options, qnn_version
+from .qnn import NpuUnavailable, qnn_session, qnn_session_options, qnn_version
 
 PAST_DIM, MASK_DIM = "past_len", "past_len_plus_n"  # the step graphs' only free dimensions
 NPU_DEVICE = "QNN/HTP"
@@ -64,7 +62,7 @@ def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill
         session = None
         if problem is None:
             try:
-                session = ort.InferenceSession(str(path / ctx["files"][i]), qnn_session_options(options))
+                session = qnn_session(str(path / ctx["files"][i]), qnn_session_options(options))
             except Exception as e:  # truncated or corrupt binary: rebuild from the graph
                 problem = f"{ctx['files'][i]} did not load ({str(e).splitlines()[0][:120]})"
                 print(f"hybrid-npu: QNN context binary unusable: {problem}; compiling from the ONNX graphs",
@@ -75,7 +73,7 @@ def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill
             t_max = profile.attention_capacity
             so = qnn_session_options(options, {PAST_DIM: t_max, MASK_DIM: t_max + n})
             try:
-                session = ort.InferenceSession(str(path / f), so)
+                session = qnn_session(str(path / f), so)
             except Exception as e:  # a node the HTP refuses (CPU fallback is off): the CPU takes over
                 raise NpuUnavailable(f"the HTP refused {f} ({str(e).splitlines()[0][:160]}); re-export with: "
                                      f"export-hybrid SOURCE {path} --profile {profile.name}") from None

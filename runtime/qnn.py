@@ -7,6 +7,9 @@ wheel) or without a QNN device, `qnn_devices()` says why and the caller runs on 
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from functools import lru_cache
 
 import onnxruntime as ort
@@ -57,3 +60,31 @@ def qnn_version() -> str | None:
         return version("onnxruntime-qnn")
     except Exception:
         return None
+
+
+@contextlib.contextmanager
+def native_stdout_silenced():
+    """The x86_64 HTP emulator's native library prints a '# LIBNATIVE: ...' banner to file
+    descriptor 1 when its first session opens, which would land in a reply or in --json output.
+    While NPU sessions open, descriptor 1 points at the null device (QNN's own errors reach us as
+    exceptions and through ONNX Runtime's log on stderr, so nothing of use is lost)."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no descriptor 1 to guard (e.g. a GUI process)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def qnn_session(model_path: str, options: ort.SessionOptions) -> ort.InferenceSession:
+    """An NPU session (its options from qnn_session_options), opened without the emulator's banner."""
+    with native_stdout_silenced():
+        return ort.InferenceSession(model_path, options)

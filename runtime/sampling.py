@@ -1,7 +1,36 @@
 """Token choice from logits: greedy, or temperature → top-k → top-p (transformers' order)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from hybrid_npu.errors import UserError
+
+
+def check_sampling(max_new_tokens, temperature, top_k=0, top_p=1.0, seed=None, flags: bool = False) -> None:
+    """The one set of rules for generation settings, for the API (engine.generate) and the CLIs
+    alike; flags=True names them as the CLIs spell them (--top-p) instead of as keywords (top_p=).
+    temperature, top_k and top_p may be None: the model's default (Engine.sampling_defaults)."""
+    def name(key: str) -> str:
+        return f"--{key.replace('_', '-')} " if flags else f"{key}="
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+    def integer(x) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    if not integer(max_new_tokens) or max_new_tokens < 1:
+        raise UserError(f"{name('max_new_tokens')}{max_new_tokens!r}: give a whole number of at least 1")
+    if temperature is not None and (not number(temperature) or not math.isfinite(temperature) or temperature < 0):
+        raise UserError(f"{name('temperature')}{temperature!r}: give a finite number, 0 (greedy) or more")
+    if top_k is not None and (not integer(top_k) or top_k < 0):
+        raise UserError(f"{name('top_k')}{top_k!r}: give 0 (off) or a whole number above 0")
+    if top_p is not None and (not number(top_p) or not math.isfinite(top_p) or not 0 < top_p <= 1):
+        raise UserError(f"{name('top_p')}{top_p!r}: give a value in (0, 1]")
+    if seed is not None and (not integer(seed) or seed < 0):
+        raise UserError(f"{name('seed')}{seed!r}: give a whole number of 0 or more")
 
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:

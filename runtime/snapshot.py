@@ -12,31 +12,32 @@ The file is plain safetensors (never pickle): tensors `gdn.{i}.conv`, `gdn.{i}.r
 [position]), and each turn checkpoint's GDN copies `checkpoint.{j}.gdn.{i}.conv` / `.recurrent`
 (its K/V are the first rows of the saved ones); the metadata holds `format`, `model` (the export's
 manifest hash), `position`, `checkpoints` (their positions, JSON) and `checksum` (sha256 over every
-tensor's name, dtype, shape and bytes in sorted name order). Files of format 1 (no checkpoints) load. A save
-goes to a temporary file in the same directory, then os.replace, so an interrupted save never
-leaves half a file under the final name.
+tensor's name, dtype, shape and bytes in sorted name order, then every other metadata entry's key
+and value: a chat's messages and the checkpoint positions ride in the same file and the same
+checksum, so a snapshot is one atomic unit). Files of format 1 (no checkpoints) still load. A save goes to a uniquely named temporary file in the
+same directory, then os.replace (atomic_io.py), so an interrupted, failed or concurrent save never
+leaves half a file, or one saver's messages with another's state, under the final name.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import tempfile
+import re
 from pathlib import Path
 
 import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.permissions import as_user_would_create
 
+from .atomic_io import write_atomically
 from .checkpoints import Checkpoint
 from .state import State
 
 FORMAT = "hybrid-npu-state/2"
 READABLE_FORMATS = ("hybrid-npu-state/1", FORMAT)  # 1: before turn checkpoints
-_TMP_PREFIX = ".hybrid-npu-state-"
-_TMP_SUFFIX = ".tmp"
+RESERVED_KEYS = ("format", "model", "position", "checksum", "checkpoints")  # the rest of the metadata is the caller's
 
 
 def _canonical(a: np.ndarray) -> np.ndarray:
@@ -44,13 +45,16 @@ def _canonical(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
 
 
-def checksum(tensors: dict[str, np.ndarray]) -> str:
-    """sha256 over name, dtype, shape and bytes of every tensor, in sorted name order."""
+def checksum(tensors: dict[str, np.ndarray], extra: dict[str, str] | None = None) -> str:
+    """sha256 over name, dtype, shape and bytes of every tensor, in sorted name order, then over
+    each extra metadata key and value (none: the same value as snapshots without extras)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         a = _canonical(tensors[name])
         h.update(f"{name}\0{a.dtype.name}\0{list(a.shape)}\0".encode())
         h.update(a.reshape(-1).view(np.uint8))  # a flat byte view: no copy, zero-size safe
+    for key in sorted(extra or {}):
+        h.update(f"meta\0{key}\0{extra[key]}\0".encode())
     return h.hexdigest()
 
 
@@ -71,41 +75,45 @@ def _tensors(state: State, checkpoints) -> dict[str, np.ndarray]:
     return out
 
 
-def save_state(state: State, path, model_hash: str, checkpoints=()) -> None:
-    """Write `state` and its turn checkpoints to `path` (one safetensors file), atomically."""
-    from safetensors.numpy import save_file
+def _hashed(metadata: dict[str, str]) -> dict[str, str]:
+    """The metadata the checksum covers: all but what identifies the file (and the checksum)."""
+    return {k: v for k, v in metadata.items() if k not in ("format", "model", "position", "checksum")}
 
+
+def _metadata(state: State, model_hash: str, tensors: dict[str, np.ndarray], extra: dict[str, str],
+              positions: list[int]) -> dict:
+    clash = set(extra) & set(RESERVED_KEYS)
+    if clash:
+        raise ValueError(f"metadata keys {sorted(clash)} are the snapshot's own")
+    extra = {**{str(k): str(v) for k, v in extra.items()}, "checkpoints": json.dumps(positions)}
+    return {**extra, "format": FORMAT, "model": str(model_hash), "position": str(state.position),
+            "checksum": checksum(tensors, extra)}
+
+
+def save_state(state: State, path, model_hash: str, extra: dict[str, str] | None = None, checkpoints=()) -> None:
+    """Write `state` and its turn checkpoints to `path` (one safetensors file), atomically. `extra`:
+    more metadata (str -> str) kept in the same file under the same checksum, e.g. a chat's messages."""
     path = Path(path)
     if len(state.tokens) != state.position:
         raise UserError(f"cannot save state: it holds {len(state.tokens)} token ids for position {state.position}; "
                         f"save a state the engine produced")
     checkpoints = [c for c in checkpoints if c.position <= state.position]
     tensors = _tensors(state, checkpoints)
-    metadata = {"format": FORMAT, "model": str(model_hash), "position": str(state.position),
-                "checkpoints": json.dumps([c.position for c in checkpoints]), "checksum": checksum(tensors)}
-    if not path.parent.is_dir():
-        raise UserError(f"cannot save state to {path}: directory {path.parent} does not exist; create it first")
-    if path.is_dir():
-        raise UserError(f"cannot save state to {path}: it is a directory; give a file name such as {path / 'chat.state'}")
+    metadata = _metadata(state, model_hash, tensors, dict(extra or {}), [c.position for c in checkpoints])
+    write_atomically(path, lambda tmp: _write_safetensors(tensors, tmp, metadata), "state")
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], file: Path, metadata: dict[str, str]) -> None:
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=path.parent)
-    except OSError as e:
-        raise UserError(f"cannot save state to {path}: {e.strerror or e}; choose a writable directory") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "r+b") as f:  # on disk before it takes the final name
-            os.fsync(f.fileno())
-        as_user_would_create(tmp)  # mkstemp's 0600 would stay on the snapshot
-        os.replace(tmp, path)
-    except OSError as e:
-        raise UserError(f"cannot save state to {path}: {e.strerror or e}; check the path and free disk space") from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)  # gone already after os.replace; never mask the real error
-        except OSError:
-            pass
+        save_file(tensors, str(file), metadata=metadata)
+    except SafetensorError as e:  # its I/O errors carry "os error N": hand them on as the OSError they are
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
 
 
 def _expected_shapes(cfg: ModelConfig, position: int, n_checkpoints: int) -> dict[str, tuple[int, ...]]:
@@ -139,6 +147,11 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     return metadata, tensors
 
 
+def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
+    """Read a snapshot saved by save_state for the model `model_hash`; refuses anything else."""
+    return read_snapshot(path, cfg, model_hash, capacity)[0]
+
+
 def _checkpoint_positions(path: Path, metadata: dict, position: int) -> list[int]:
     try:
         positions = json.loads(metadata.get("checkpoints", "[]"))
@@ -150,15 +163,21 @@ def _checkpoint_positions(path: Path, metadata: dict, position: int) -> list[int
     return positions
 
 
-def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> tuple[State, list[Checkpoint]]:
-    """Read a snapshot saved by save_state for the model `model_hash`, with its turn checkpoints;
-    refuses anything else."""
+def read_snapshot(path, cfg: ModelConfig, model_hash: str,
+                  capacity: int) -> tuple[State, dict[str, str], list[Checkpoint]]:
+    """The State, the extra metadata (save_state's `extra`) and the turn checkpoints of one
+    snapshot, from one read of one file: what a concurrent save replaces is either all seen or not
+    at all."""
     path = Path(path)
-    if path.is_dir():
-        raise UserError(f"cannot load state {path}: it is a directory; give the file save_state wrote")
-    if not path.is_file():
-        raise UserError(f"cannot load state {path}: no such file; give the path save_state wrote")
+    try:
+        if path.is_dir():
+            raise UserError(f"cannot load state {path}: it is a directory; give the file save_state wrote")
+        if not path.is_file():
+            raise UserError(f"cannot load state {path}: no such file; give the path save_state wrote")
+    except OSError as e:  # e.g. a name too long for the filesystem
+        raise UserError(f"cannot load state {str(path)[:60]}…: {e.strerror or e}; give the path save_state wrote") from None
     metadata, tensors = _read(path)
+    extra = {k: v for k, v in metadata.items() if k not in RESERVED_KEYS}
 
     fmt = metadata.get("format")
     if fmt not in READABLE_FORMATS:
@@ -169,7 +188,7 @@ def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> tuple[
     if saved_model != model_hash:
         raise UserError(f"cannot load state {path}: this snapshot belongs to another model ({saved_model[:12]}…, "
                         f"this one is {model_hash[:12]}…); load it with the model it was saved from")
-    if metadata.get("checksum") != checksum(tensors):
+    if metadata.get("checksum") != checksum(tensors, _hashed(metadata)):
         raise UserError(f"cannot load state {path}: altered or damaged: checksum mismatch; "
                         f"save the state again or use an intact copy")
     try:
@@ -209,4 +228,4 @@ def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> tuple[
     checkpoints = [Checkpoint(p, {i: tensors[f"checkpoint.{j}.gdn.{i}.conv"] for i in state.gdn},
                               {i: tensors[f"checkpoint.{j}.gdn.{i}.recurrent"] for i in state.gdn})
                    for j, p in enumerate(positions)]
-    return state, checkpoints
+    return state, extra, checkpoints

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from hybrid_npu.cli_common import OneLineParser, human_bytes
+from hybrid_npu.cli_common import OneLineParser, human_bytes, stdout_closed
 from hybrid_npu.errors import UserError
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
@@ -54,13 +54,45 @@ def prompt_ids(engine, document: str) -> list[int]:
                         False if template.has_thinking_switch else None)
 
 
-def check_fits(engine, n_prompt: int, max_new_tokens: int, source) -> None:
-    """Refuse, before any work, a prompt that leaves no room for the summary in the memory plan."""
-    report = engine.memory_report()
-    if n_prompt + max_new_tokens > report["max_context"]:
-        raise UserError(f"{source} is {n_prompt} tokens with the prompt; with --max-new-tokens {max_new_tokens} "
-                        f"that exceeds the {report['max_context']}-token context the memory plan allows "
-                        f"(budget {human_bytes(report['budget_bytes'])}); raise --memory or summarize a smaller file")
+def check_fits(engine, n_prompt: int, max_new_tokens: int, source, at_least: bool = False) -> None:
+    """Refuse, before any work, a prompt that leaves no room for the summary in the context: the
+    refusal names what set the limit (the memory plan or the model's max_position_embeddings)."""
+    limit = engine.memory_report()["max_context"]
+    if n_prompt + max_new_tokens > limit:
+        who, detail, fix = engine.memory.limit_and_fix()
+        fix = fix.replace("memory=/--memory", "--memory").replace("the input", "the document")
+        raise UserError(f"{source} is {'at least ' if at_least else ''}{n_prompt} tokens with the prompt; with "
+                        f"--max-new-tokens {max_new_tokens} that exceeds the {limit}-token context {who} allows "
+                        f"({detail}); {fix}, or lower --max-new-tokens")
+
+
+class TokenCounter:
+    """Counts a document's tokens block by block as it is read and refuses once it cannot fit, so a
+    huge file never sits in memory whole, tokenised (a 5 MB text took 1.15 GB that way)."""
+
+    SLACK_PER_BLOCK = 8  # block edges fall where the tokenizer splits anyway; a few tokens of leeway
+
+    def __init__(self, engine, max_new_tokens: int, source):
+        self.engine, self.max_new_tokens, self.source = engine, max_new_tokens, source
+        self.tokens = self.blocks = 0
+
+    def __call__(self, block: str) -> None:
+        self.tokens += len(self.engine.tokenizer.encode(block, add_special_tokens=False).ids)
+        self.blocks += 1
+        surely = self.tokens - self.SLACK_PER_BLOCK * self.blocks
+        if surely + self.max_new_tokens > self.engine.memory_report()["max_context"]:
+            check_fits(self.engine, surely, self.max_new_tokens, self.source, at_least=True)
+
+
+def check_size(engine, path, max_new_tokens: int) -> None:
+    """Before reading: a text file of B bytes holds at least B / (4 * longest token in bytes) tokens
+    (4: CRLF->LF and Unicode normalisation shrink text by at most that), so a file that cannot fit
+    is refused from its size alone."""
+    from pathlib import Path
+
+    size = Path(path).stat().st_size
+    longest = max((len(t.encode("utf-8")) for t in engine.tokenizer.get_vocab()), default=1)
+    check_fits(engine, size // (4 * longest), max_new_tokens, f"{path} ({human_bytes(size)})", at_least=True)
 
 
 class PrefillBar:
@@ -120,11 +152,16 @@ def main(argv=None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        from .documents import read_document
+        from .conversation import require_tokenizer
+        from .documents import check_document, read_document
 
         check_engine_arguments(a)
-        document = read_document(a.file)  # before the model loads: a bad file fails in a moment
+        kind = check_document(a.file)  # before the model loads: a bad file fails in a moment
         engine = open_model(a.model, a, checkpoints=0)  # one prompt: nothing to resume
+        require_tokenizer(engine)
+        if kind == "text":
+            check_size(engine, a.file, a.max_new_tokens)
+        document = read_document(a.file, take=TokenCounter(engine, a.max_new_tokens, a.file))
         ids = prompt_ids(engine, document)
         check_fits(engine, len(ids), a.max_new_tokens, a.file)
         options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
@@ -146,6 +183,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"npu-summarize: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # stdout closed early: `... | head`
+        return stdout_closed()
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

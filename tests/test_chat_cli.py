@@ -84,7 +84,10 @@ def leave(child, how):
 
 
 def saved_messages(path):
-    return json.loads(sidecar(path).read_text(encoding="utf-8"))["messages"]
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:  # one file: the messages ride in the snapshot's metadata
+        return json.loads(f.metadata()["chat"])["messages"]
 
 
 def test_repl_streams_stops_on_ctrl_c_and_keeps_the_conversation(chat_model, tmp_path):
@@ -238,18 +241,42 @@ def test_should_stop_keeps_a_state_that_continues_exactly(engine, speculative):
     assert part + rest == whole
 
 
-def test_load_refuses_a_mismatched_pair_and_keeps_the_chat(engine, tmp_path):
+def test_load_refuses_altered_or_mismatched_chats_and_keeps_the_chat(engine, tmp_path):
+    import hashlib
+
+    from safetensors.numpy import load_file, save_file
+
     conv = Conversation(engine)
     conv.reply("Hello", Sampling(max_new_tokens=3, speculative=False))
     conv.save(tmp_path / "a.state")
+    engine.save_state(tmp_path / "legacy.state")  # an earlier version's pair: engine snapshot + FILE.json
+    legacy = {"format": "hybrid-npu-chat/1", "messages": conv.messages,
+              "state_sha256": hashlib.sha256((tmp_path / "legacy.state").read_bytes()).hexdigest()}
+    sidecar(tmp_path / "legacy.state").write_text(json.dumps(legacy), encoding="utf-8")
     conv.reply("More", Sampling(max_new_tokens=3, speculative=False))
     conv.save(tmp_path / "b.state")
+
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "b.state"), framework="np") as f:
+        meta = dict(f.metadata())
+    meta["chat"] = meta["chat"].replace("More", "Less")  # someone edits the messages inside the file
+    save_file(load_file(str(tmp_path / "b.state")), str(tmp_path / "edited.state"), metadata=meta)
+    engine.save_state(tmp_path / "bare.state")  # no messages at all
+    sidecar(tmp_path / "mismatched.state").write_text(json.dumps(legacy), encoding="utf-8")
+    (tmp_path / "mismatched.state").write_bytes((tmp_path / "bare.state").read_bytes())
     before, context = list(conv.messages), engine.context_ids()
-    sidecar(tmp_path / "b.state").replace(sidecar(tmp_path / "a.state"))  # a's snapshot, b's messages
-    for bad in ("a.state", "b.state", "none.state"):
-        with pytest.raises(UserError, match="cannot load chat"):
+    for bad, why in [("edited.state", "checksum mismatch"), ("bare.state", "holds no messages"),
+                     ("mismatched.state", "does not match"), ("none.state", "no such file")]:
+        with pytest.raises(UserError, match=why):
             conv.load(tmp_path / bad)
-    assert conv.messages == before and engine.context_ids() == context
+        assert conv.messages == before and engine.context_ids() == context
+    with pytest.raises(UserError, match="is a directory"):
+        conv.load(tmp_path)
+
+    conv.load(tmp_path / "legacy.state")  # an earlier version's pair still loads
+    assert conv.messages == legacy["messages"]
+    conv.load(tmp_path / "a.state")
+    assert conv.messages == legacy["messages"]
 
 
 # ---------------------------------------------------------------- bad input

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -32,3 +33,15 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (`| head`): Python's documented SIGPIPE handling. Point stdout
+    at the null device so the flush at exit cannot raise again, and exit quietly with 1 (what
+    Python itself returns on EPIPE). Works the same on Windows, which has no SIGPIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
+        pass
+    return 1

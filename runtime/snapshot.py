@@ -75,7 +75,7 @@ def _tensors(state: State, checkpoints) -> dict[str, np.ndarray]:
     return out
 
 
-def _hashed(metadata: dict[str, str]) -> dict[str, str]:
+def hashed_metadata(metadata: dict[str, str]) -> dict[str, str]:
     """The metadata the checksum covers: all but what identifies the file (and the checksum)."""
     return {k: v for k, v in metadata.items() if k not in ("format", "model", "position", "checksum")}
 
@@ -188,7 +188,7 @@ def read_snapshot(path, cfg: ModelConfig, model_hash: str,
     if saved_model != model_hash:
         raise UserError(f"cannot load state {path}: this snapshot belongs to another model ({saved_model[:12]}…, "
                         f"this one is {model_hash[:12]}…); load it with the model it was saved from")
-    if metadata.get("checksum") != checksum(tensors, _hashed(metadata)):
+    if metadata.get("checksum") != checksum(tensors, hashed_metadata(metadata)):
         raise UserError(f"cannot load state {path}: altered or damaged: checksum mismatch; "
                         f"save the state again or use an intact copy")
     try:

@@ -161,7 +161,7 @@ def _rewrite(src, dst, edit_tensors=None, edit_meta=None):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if edit_tensors:
         edit_tensors(tensors)
-    meta["checksum"] = snapshot.checksum(tensors)
+    meta["checksum"] = snapshot.checksum(tensors, snapshot.hashed_metadata(meta))
     if edit_meta:
         edit_meta(meta)
     save_file(tensors, str(dst), metadata=meta)

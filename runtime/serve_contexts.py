@@ -26,8 +26,9 @@ class ServedContexts:
 
     def take_best(self, prompt_ids: list[int], need_tokens: int) -> int:
         """Put the context that keeps the most of prompt_ids into the engine (the engine's own
-        stays when none does better); drop held ones the request's memory needs. Returns how many
-        prompt tokens the engine will keep (Engine.resume then does it)."""
+        stays when none does better and it keeps some; one that keeps nothing is held aside, since
+        it belongs to another conversation); drop held ones the request's memory needs. Returns how
+        many prompt tokens the engine will keep (Engine.resume then does it)."""
         live = self.engine.resumable(prompt_ids)
         scores = [h.resumable(prompt_ids) for h in self.held]
         best = max(range(len(scores)), key=scores.__getitem__, default=None)
@@ -36,6 +37,8 @@ class ServedContexts:
             self._hold(self.engine.detach())
             self.engine.attach(chosen)
             live = scores[best]
+        elif live == 0:  # another conversation: keep this one aside instead of starting over on it
+            self._hold(self.engine.detach())
         per_token = self.engine.memory.kv_bytes_per_token + self.engine.memory.scratch_bytes_per_token
         while self.held and self.held_bytes() + need_tokens * per_token > self._free_bytes():
             self.held.pop(0)

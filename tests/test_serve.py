@@ -132,6 +132,24 @@ def test_the_next_request_of_a_conversation_prefills_only_its_new_part(server):
     assert r2.choices[0].message.content == want
 
 
+def test_interleaved_conversations_each_resume_their_own_state(server):
+    """A, then B, then A again: A's second request resumes A's kept context, not B's, and the
+    reply equals a fresh engine's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hybrid_npu.default_model())
+    client = server.client()
+    a1 = [{"role": "user", "content": "def mean(xs):"}]
+    ra = ask(client, a1, 10).choices[0].message.content
+    ask(client, [{"role": "user", "content": "import json"}], 10)  # another conversation in between
+    a2 = a1 + [{"role": "assistant", "content": ra}, {"role": "user", "content": "Now the median."}]
+    r = ask(client, a2, 10)
+    p1, p2 = hf_ids(tok, a1), hf_ids(tok, a2)
+    departs = next(i for i, (x, y) in enumerate(zip(p1, p2)) if x != y)
+    assert r.usage.prompt_tokens_details.cached_tokens == departs
+    assert r.choices[0].message.content == npu_chat_messages(a2, 10)
+
+
 def hf_ids(tok, messages, **kw) -> list[int]:
     """transformers' rendering of the messages, tokenized as the engine tokenizes a prompt."""
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)

@@ -139,11 +139,14 @@ def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int, d
 
 def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: str, S: str,
                      mask: str, mask_t: str, strict_mask: str, *, n: int, hk: int, hv: int, dk: int, dv: int,
-                     chain_state: bool):
+                     chain_state: bool, state_unit: str | None = None):
     """Returns (o [N, Hv, Dv], S_after of the last token or None, commit (k̂, u, G) token-major).
 
     mask / mask_t / strict_mask [N, N]: M, Mᵀ and M without its diagonal (constants for a chain,
     graph inputs for a tree). chain_state: emit S_after for the last token (chain graphs).
+    state_unit [Hv, 1, 1] (>= 1): S comes in these units per head and o, S_after and u go out in
+    them (the host picks it so the state it feeds stays below 64: a state, or a readout, beyond
+    fp16's 65,504 never exists inside the HTP; the readout's norm takes the unit into its eps).
     """
     r = hv // hk
     qn = g.op("Mul", _emit_l2n(g, q), g.const(1.0 / math.sqrt(dk)))
@@ -151,6 +154,9 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     Q = g.transpose(_emit_repeat_heads(g, qn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
     K = g.transpose(_emit_repeat_heads(g, kn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
     V = g.transpose(v, [1, 0, 2])  # [Hv, N, Dv]
+    if state_unit is not None:  # v into the state's units (by 1/√u twice: 1/u can be subnormal in fp16)
+        ru = g.op("Reciprocal", g.op("Sqrt", state_unit))
+        V = g.op("Mul", g.op("Mul", V, ru), ru)
     # Work in units of σ = max(1, max(|S|, |V|) / 64) per head (everything below is linear in S
     # and V): the products K̂·S, Q̂·S and K̂ᵀU sum Dk or N terms and overflow fp16 on the HTP once
     # the state holds values in the ten thousands (long low-decay context); scaled, no entry

@@ -48,10 +48,11 @@ def gated_rmsnorm_ref(o: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float) -
     return _normalize(o, eps) * w * (z / (1.0 + np.exp(-z)))
 
 
-def _emit_normalize(g: GraphBuilder, x: str, eps: float) -> str:
+def _emit_normalize(g: GraphBuilder, x: str, eps: float, eps_scale: str | None = None) -> str:
     """_normalize_prescaled: the HTP never squares a value above 16 (fp16-safe, exact in fp32). Scaled
     by r = 1/√σ twice, not by 1/σ once: 1/σ would be subnormal in fp16 for the largest rows, and
-    the HTP flushes it (and x/σ, a Div) to 0. Rows up to 16 see r = 1: the unscaled arithmetic."""
+    the HTP flushes it (and x/σ, a Div) to 0. Rows up to 16 see r = 1: the unscaled arithmetic.
+    eps_scale: a tensor the epsilon is multiplied by (x given in units u: eps/u², see emit_gated_delta)."""
     peak = g.op("ReduceMax", g.op("Abs", x), g.ints([-1]), keepdims=1)
     sigma = g.op("Max", g.op("Mul", peak, g.const(1.0 / SCALED_PEAK)), g.const(1.0))
     r = g.op("Reciprocal", g.op("Sqrt", sigma))
@@ -60,6 +61,8 @@ def _emit_normalize(g: GraphBuilder, x: str, eps: float) -> str:
     mean_sq = g.op("ReduceMean", g.op("Mul", y, y), g.ints([-1]), keepdims=1)
     r2 = g.op("Mul", r, r)
     eps_term = g.op("Mul", g.const(eps), g.op("Mul", r2, r2))  # eps/σ²: flushes to 0 where it is negligible
+    if eps_scale is not None:
+        eps_term = g.op("Mul", eps_term, eps_scale)
     inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_sq, eps_term)))
     return g.op("Mul", xr, g.op("Mul", r, inv))
 
@@ -68,8 +71,10 @@ def emit_rmsnorm_1p(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
     return g.op("Mul", _emit_normalize(g, x, eps), g.op("Add", weight, g.const(1.0)))
 
 
-def emit_gated_rmsnorm(g: GraphBuilder, o: str, z: str, weight: str, eps: float) -> str:
-    return g.op("Mul", g.op("Mul", _emit_normalize(g, o, eps), weight), g.silu(z))
+def emit_gated_rmsnorm(g: GraphBuilder, o: str, z: str, weight: str, eps: float, eps_scale: str | None = None) -> str:
+    """eps_scale: o arrives in units u (the delta rule's state units): normalize(u·o) = normalize(o)
+    with eps/u², so a readout beyond fp16 never materialises."""
+    return g.op("Mul", g.op("Mul", _emit_normalize(g, o, eps, eps_scale), weight), g.silu(z))
 
 
 # ---------------------------------------------------------------- ONNX Runtime CPU kernels

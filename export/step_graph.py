@@ -11,7 +11,7 @@ I/O names (stable; the manifest lists them with shapes):
        attn_mask [N, past_len+N]; conv_state_select [K-1, K-1+N]; last_index [1] int64;
        tree_mask [N, N]; conv_tree_select [K-1, N, K-1+N];
        conv_state.{i} [conv_dim, K-1]; recurrent_state.{i} [Hv, Dk, Dv] fp32, in units of
-       recurrent_scale.{i} [Hv] (prefill chains only; 1 = real units);
+       recurrent_scale.{i} [Hv] (prefill and verify; 1 = real units; S out and commit u in them too);
        past_key.{i} / past_value.{i} [nKV, past_len, hd]
   out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i};
        new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j);
@@ -203,9 +203,9 @@ class _Builder:
         sp = g.op("Softplus", a_in) if self.spec.cpu_kernels else g.softplus(a_in)  # the CPU's own is exact
         decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
         unit = None
-        if not self.spec.tree and not self.spec.cpu_kernels:  # prefill chains (the NPU's): the state comes in
-            # per-head units (runtime/pipeline.py: 1 on the CPU; on the NPU chosen so no value beyond
-            # fp16 enters the HTP). A plain input, not an initializer default: QNN context binaries drop those
+        if not self.spec.cpu_kernels:  # prefill and verify (the NPU's graphs): the state comes in per-head
+            # units (runtime/pipeline.py: 1 on the CPU; on the NPU chosen so no value beyond fp16
+            # enters the HTP). A plain input, not an initializer default: QNN context binaries drop those
             unit = g.reshape(g.input(f"recurrent_scale.{i}", np.float32, [hv]), [hv, 1, 1])
         core = (qkv, conv_state, conv_w, S, beta, decay)
         if self.spec.any_n:

@@ -72,8 +72,10 @@ class Pipeline:
             if on_part is not None:
                 on_part(i, inputs)
             result = dict(zip(names, session.run(names, inputs)))
-            for layer, u in units.items():
-                result[f"recurrent_state_out.{layer}"] = result[f"recurrent_state_out.{layer}"] * u[:, None, None]
+            for layer, u in units.items():  # back to real units: the chain's state, a tree's commit u
+                for name, unit in ((f"recurrent_state_out.{layer}", u[:, None, None]), (f"commit_u.{layer}", u[:, None])):
+                    if name in result:
+                        result[name] = result[name] * unit
             if "hidden_out" in result:
                 feed["hidden_in"] = result.pop("hidden_out")
             out.update(result)

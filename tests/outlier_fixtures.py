@@ -66,9 +66,10 @@ def long_low_decay_case(n=8192, hk=1, hv=2, dk=16, dv=16):
     return q, k, v, g_in, beta, S0, z, w
 
 
-def gdn_layer_core(c, hk, hv, dk, dv):
+def gdn_layer_core(c, hk, hv, dk, dv, tree=False):
     """The NPU prefill's GDN core after the conv, as export/step_graph.py wires it: the chunked delta
-    rule with the state in host-chosen units (recurrent_scale.0) and the gated norm taking them."""
+    rule with the state in host-chosen units (recurrent_scale.0) and the gated norm taking them.
+    tree: the verify form (tree_mask input; commit_k/u/g out instead of the state)."""
     from hybrid_npu.kernels import delta_rule
     from hybrid_npu.kernels.graph import GraphBuilder
     from hybrid_npu.kernels.norms import emit_gated_rmsnorm
@@ -79,12 +80,20 @@ def gdn_layer_core(c, hk, hv, dk, dv):
             ("recurrent_state.0", [hv, dk, dv]))]
     z, w = gb.input("z", np.float32, [c, hv, dv]), gb.input("w", np.float32, [dv])
     unit = gb.reshape(gb.input("recurrent_scale.0", np.float32, [hv]), [hv, 1, 1])
-    causal = np.tril(np.ones((c, c), np.float32))
-    o, s_after, _ = delta_rule.emit_gated_delta(gb, *ins, gb.const(causal), gb.const(causal.T),
-                                                gb.const(np.tril(causal, -1)), n=c, hk=hk, hv=hv, dk=dk, dv=dv,
-                                                chain_state=True, state_unit=unit)
+    if tree:
+        m = gb.input("tree_mask", np.float32, [c, c])
+        masks = (m, gb.transpose(m, [1, 0]), gb.op("Mul", m, gb.const(1 - np.eye(c, dtype=np.float32))))
+    else:
+        causal = np.tril(np.ones((c, c), np.float32))
+        masks = (gb.const(causal), gb.const(causal.T), gb.const(np.tril(causal, -1)))
+    o, s_after, commit = delta_rule.emit_gated_delta(gb, *ins, *masks, n=c, hk=hk, hv=hv, dk=dk, dv=dv,
+                                                     chain_state=not tree, state_unit=unit)
     ru = gb.op("Reciprocal", gb.op("Sqrt", gb.reshape(unit, [hv, 1])))
     eps_scale = gb.op("Mul", gb.op("Mul", ru, ru), gb.op("Mul", ru, ru))
     gb.output(emit_gated_rmsnorm(gb, o, z, w, 1e-6, eps_scale), "normed", np.float32, [c, hv, dv])
-    gb.output(s_after, "recurrent_state_out.0", np.float32, [hv, dk, dv])
+    if tree:
+        for name, t, shape in zip(("commit_k.0", "commit_u.0", "commit_g.0"), commit, ([c, hv, dk], [c, hv, dv], [c, hv])):
+            gb.output(t, name, np.float32, shape)
+    else:
+        gb.output(s_after, "recurrent_state_out.0", np.float32, [hv, dk, dv])
     return gb

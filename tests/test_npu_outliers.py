@@ -111,3 +111,26 @@ def test_gdn_over_8k_low_decay_tokens_with_a_readout_past_fp16_stays_right_on_th
     print(f"\nGDN 8192 tokens on the HTP: max|readout| {np.abs(o_ref).max():.3g}, max|S| {np.abs(s_ref).max():.3g}; "
           f"rel error normed readout {err_o:.2e}, S {err_s:.2e}")
     assert err_o <= 2e-2 and err_s <= 2e-2
+
+
+def test_gdn_tree_verify_over_a_state_past_fp16_stays_right_on_the_htp():
+    """The verify form (tree mask as input, commit tensors out) over the long case's state (up to
+    3e5): one 32-node chain-shaped tree on the emulator through the NPU Pipeline, the state
+    committed on the host from (k̂, u, G) against the float64 recurrence."""
+    n, hk, hv, dk, dv = 32, 1, 2, 16, 16
+    q, k, v, g_in, beta, S0, z, w = long_low_decay_case(n, hk, hv, dk, dv)
+    o_ref, s_ref = delta_rule.gated_delta_recurrent_ref(q, k, v, g_in, beta, S0)
+    want = gated_rmsnorm_ref(o_ref, z, w, 1e-6)
+    opts = load_profile("snapdragon-x-elite").qnn_provider_options()
+    opts["htp_graph_finalization_optimization_mode"] = "1"
+    htp = ort.InferenceSession(gdn_layer_core(n, hk, hv, dk, dv, tree=True).model({}).SerializeToString(),
+                               qnn_session_options(opts))
+    feed = dict(q=q, k=k, v=v, g=g_in, beta=beta, z=z, w=w, tree_mask=np.tril(np.ones((n, n))))
+    out = Pipeline([htp], "QNN/HTP").run({**{a: b.astype(np.float32) for a, b in feed.items()},
+                                           "recurrent_state.0": S0.astype(np.float32)})
+    commit = (out["commit_k.0"].astype(np.float64), out["commit_u.0"].astype(np.float64),
+              out["commit_g.0"].astype(np.float64))
+    S = delta_rule.commit_state_ref(S0, commit, list(range(n)))
+    err_o, err_s = rel_max_error(out["normed"], want), rel_max_error(S, s_ref)
+    print(f"\nGDN verify over max|S| {np.abs(S0).max():.3g}: rel error normed readout {err_o:.2e}, committed S {err_s:.2e}")
+    assert np.isfinite(out["normed"]).all() and err_o <= 2e-2 and err_s <= 2e-2

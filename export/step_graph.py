@@ -10,7 +10,8 @@ I/O names (stable; the manifest lists them with shapes):
   in   input_ids [N] int64 | hidden_in [N, H]; token_valid [N]; rope_cos/rope_sin [N, rd];
        attn_mask [N, past_len+N]; conv_state_select [K-1, K-1+N]; last_index [1] int64;
        tree_mask [N, N]; conv_tree_select [K-1, N, K-1+N];
-       conv_state.{i} [conv_dim, K-1]; recurrent_state.{i} [Hv, Dk, Dv] fp32;
+       conv_state.{i} [conv_dim, K-1]; recurrent_state.{i} [Hv, Dk, Dv] fp32, in units of
+       recurrent_scale.{i} [Hv] (prefill and verify; 1 = real units; S out and commit u in them too);
        past_key.{i} / past_value.{i} [nKV, past_len, hd]
   out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i};
        new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j);
@@ -201,6 +202,11 @@ class _Builder:
         a_in = g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv)))
         sp = g.op("Softplus", a_in) if self.spec.cpu_kernels else g.softplus(a_in)  # the CPU's own is exact
         decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
+        unit = None
+        if not self.spec.cpu_kernels:  # prefill and verify (the NPU's graphs): the state comes in per-head
+            # units (runtime/pipeline.py: 1 on the CPU; on the NPU chosen so no value beyond fp16
+            # enters the HTP). A plain input, not an initializer default: QNN context binaries drop those
+            unit = g.reshape(g.input(f"recurrent_scale.{i}", np.float32, [hv]), [hv, 1, 1])
         core = (qkv, conv_state, conv_w, S, beta, decay)
         if self.spec.any_n:
             with g.capture() as one:
@@ -211,7 +217,7 @@ class _Builder:
                 o2 = g.reshape(o2, [self.n, hv * dv])
             o, new_conv, S_after = g.if_(self.one, (one, [o1, conv1, S1]), (chunk, [o2, conv2, S2]))
         else:
-            o, new_conv, S_after, commit = self._gdn_core(*core, n=self.n, step=self.spec.cpu_kernels)
+            o, new_conv, S_after, commit = self._gdn_core(*core, n=self.n, step=self.spec.cpu_kernels, unit=unit)
         if self.spec.tree:
             ck, cu, cg = commit
             g.output(ck, f"commit_k.{i}", np.float32, [n, hv, dk])
@@ -226,12 +232,17 @@ class _Builder:
             normed = emit_gated_rmsnorm_cpu(g, o, z, norm_w, c.rms_norm_eps)
         elif self.spec.cpu_kernels:
             normed = emit_gated_rmsnorm_cpu(g, g.reshape(o, [n, hv * dv]), z, norm_w, c.rms_norm_eps)
-        else:
-            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), norm_w, c.rms_norm_eps),
+        else:  # o in the state's units u: the norm takes eps/u² (u⁻¹ by 1/√u twice, flushed to 0 when negligible)
+            eps_scale = None
+            if unit is not None:
+                ru = g.op("Reciprocal", g.op("Sqrt", g.reshape(unit, [hv, 1])))
+                ru2 = g.op("Mul", ru, ru)
+                eps_scale = g.op("Mul", ru2, ru2)
+            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), norm_w, c.rms_norm_eps, eps_scale),
                                [n, hv * dv])
         return self.linear(normed, a + "out_proj", [a + "out_proj.weight"], hv * dv, [c.hidden_size])[0]
 
-    def _gdn_core(self, qkv, conv_state, conv_w, S, beta, decay, *, n: int, step: bool):
+    def _gdn_core(self, qkv, conv_state, conv_w, S, beta, decay, *, n: int, step: bool, unit: str | None = None):
         """The short conv and the delta rule over n tokens: (o [n, Hv, Dv], conv state out, S_after,
         tree commit tensors). step: one token through the CPU's fused conv and the recurrence itself."""
         c, g = self.cfg, self.g
@@ -249,7 +260,8 @@ class _Builder:
         if self.valid is not None:  # a padded token neither decays nor writes the state
             beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
         o, S_after, commit = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t, self.strict, n=n,
-                                              hk=hk, hv=hv, dk=dk, dv=dv, chain_state=not self.spec.tree)
+                                              hk=hk, hv=hv, dk=dk, dv=dv, chain_state=not self.spec.tree,
+                                              state_unit=unit)
         return o, new_conv, S_after, commit
 
     def attention(self, h: str, i: int) -> str:

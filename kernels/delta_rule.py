@@ -24,6 +24,7 @@ import numpy as np
 from .graph import GraphBuilder
 
 L2_EPS = 1e-6
+STATE_SCALED_PEAK = 64.0  # the largest |S| or |V| entry the chunked form computes with (see emit_gated_delta)
 
 
 def _l2n(x):
@@ -138,11 +139,14 @@ def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int, d
 
 def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: str, S: str,
                      mask: str, mask_t: str, strict_mask: str, *, n: int, hk: int, hv: int, dk: int, dv: int,
-                     chain_state: bool):
+                     chain_state: bool, state_unit: str | None = None):
     """Returns (o [N, Hv, Dv], S_after of the last token or None, commit (k̂, u, G) token-major).
 
     mask / mask_t / strict_mask [N, N]: M, Mᵀ and M without its diagonal (constants for a chain,
     graph inputs for a tree). chain_state: emit S_after for the last token (chain graphs).
+    state_unit [Hv, 1, 1] (>= 1): S comes in these units per head and o, S_after and u go out in
+    them (the host picks it so the state it feeds stays below 64: a state, or a readout, beyond
+    fp16's 65,504 never exists inside the HTP; the readout's norm takes the unit into its eps).
     """
     r = hv // hk
     qn = g.op("Mul", _emit_l2n(g, q), g.const(1.0 / math.sqrt(dk)))
@@ -150,6 +154,21 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     Q = g.transpose(_emit_repeat_heads(g, qn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
     K = g.transpose(_emit_repeat_heads(g, kn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
     V = g.transpose(v, [1, 0, 2])  # [Hv, N, Dv]
+    if state_unit is not None:  # v into the state's units (by 1/√u twice: 1/u can be subnormal in fp16)
+        ru = g.op("Reciprocal", g.op("Sqrt", state_unit))
+        V = g.op("Mul", g.op("Mul", V, ru), ru)
+    # Work in units of σ = max(1, max(|S|, |V|) / 64) per head (everything below is linear in S
+    # and V): the products K̂·S, Q̂·S and K̂ᵀU sum Dk or N terms and overflow fp16 on the HTP once
+    # the state holds values in the ten thousands (long low-decay context); scaled, no entry
+    # exceeds 64. σ = 1 (same arithmetic as unscaled) while values stay below 64. Divided by √σ
+    # twice: 1/σ is subnormal in fp16 past 16,000 and the HTP flushes it to 0.
+    peak = g.op("Max", g.op("ReduceMax", g.op("Abs", S), g.ints([1, 2]), keepdims=1),
+                g.op("ReduceMax", g.op("Abs", V), g.ints([1, 2]), keepdims=1))
+    sigma = g.op("Max", g.op("Mul", peak, g.const(1.0 / STATE_SCALED_PEAK)), g.const(1.0))
+    root = g.op("Sqrt", sigma)  # [Hv, 1, 1]
+    r = g.op("Reciprocal", root)
+    S, V = g.op("Mul", g.op("Mul", S, r), r), g.op("Mul", g.op("Mul", V, r), r)
+    unscale = lambda t: g.op("Mul", g.op("Mul", t, root), root)  # noqa: E731  back to real units
     gT, bT = g.transpose(gate, [1, 0]), g.transpose(beta, [1, 0])  # [Hv, N]
     G = g.matmul(gT, mask_t)  # G_i = Σ_j M[i,j] g_j
     eG = g.unsqueeze(g.safe_exp(G), [2])  # [Hv, N, 1]
@@ -163,14 +182,14 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
         U = emit_unit_lower_solve(g, A, R, hv, n, dv)
     else:
         U = R
-    O = g.op("Add", g.op("Mul", eG, g.matmul(Q, S)), g.matmul(g.op("Mul", g.matmul(Q, K_t), D), U))
+    O = unscale(g.op("Add", g.op("Mul", eG, g.matmul(Q, S)), g.matmul(g.op("Mul", g.matmul(Q, K_t), D), U)))
     S_after = None
     if chain_state:
         G_last = g.slice(G, n - 1, n, axis=1)  # [Hv, 1]
         w = g.unsqueeze(g.safe_exp(g.op("Sub", G_last, G)), [2])  # [Hv, N, 1]
         decayed = g.op("Mul", g.unsqueeze(g.safe_exp(G_last), [2]), S)
-        S_after = g.op("Add", decayed, g.matmul(g.transpose(g.op("Mul", K, w), [0, 2, 1]), U))
-    commit = (g.transpose(K, [1, 0, 2]), g.transpose(U, [1, 0, 2]), g.transpose(G, [1, 0]))
+        S_after = unscale(g.op("Add", decayed, g.matmul(g.transpose(g.op("Mul", K, w), [0, 2, 1]), U)))
+    commit = (g.transpose(K, [1, 0, 2]), g.transpose(unscale(U), [1, 0, 2]), g.transpose(G, [1, 0]))
     return g.transpose(O, [1, 0, 2]), S_after, commit
 
 

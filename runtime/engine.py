@@ -335,9 +335,16 @@ class Engine:
             self.checkpoints.add(Checkpoint(checkpoint.position, checkpoint.conv, checkpoint.recurrent))
 
     def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
-        """Logits [vocab] after the last prompt token, from a fresh state."""
+        """Logits [vocab] after the last prompt token, from a fresh state. last_stats then describes
+        this call (a scoring pass: where its prefill ran and how fast, no decode)."""
         self.reset()
-        return self.prefill(list(prompt_ids))
+        t0 = time.perf_counter()
+        logits = self.prefill(list(prompt_ids))
+        t = time.perf_counter() - t0
+        self.last_stats = {"prefill_tokens": len(prompt_ids), "prefill_tokens_per_s": len(prompt_ids) / max(t, 1e-9),
+                           "prefill_device": self._prefill_devices, "decode_tokens": 0, "ttft_s": t,
+                           "context_tokens": self.state.position}
+        return logits
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float | None = None,

@@ -35,6 +35,23 @@ def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.Inferen
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
+STATE_PEAK = 64.0  # the largest |entry| of a recurrent state the HTP is fed (in its per-head units)
+
+
+def _state_units(feed: dict, wanted: set[str], npu: bool) -> dict[str, np.ndarray]:
+    """Per-head units for each recurrent state a graph takes in units (recurrent_scale.{i}): on the
+    NPU u = max(1, max|S|/64), since the HTP computes in fp16 and a long low-decay context's state
+    can pass 65,504 (docs/npu-numerics.md); on the CPU 1 (fp32 needs none: numerics unchanged)."""
+    units = {}
+    for name in wanted:
+        if name.startswith("recurrent_scale.") and name not in feed:
+            layer = name.split(".", 1)[1]
+            state = feed[f"recurrent_state.{layer}"]
+            peak = np.abs(state).max(axis=(1, 2)) if npu else np.zeros(state.shape[0])
+            units[layer] = np.maximum(peak / STATE_PEAK, 1.0).astype(np.float32)
+    return units
+
+
 class Pipeline:
     def __init__(self, sessions: list[ort.InferenceSession], device: str, files: list[str] | None = None):
         self.sessions, self.device, self.files = sessions, device, files or []
@@ -48,9 +65,17 @@ class Pipeline:
         feed = dict(feed)
         for i, (session, wanted, names) in enumerate(zip(self.sessions, self._inputs, self._outputs)):
             inputs = {k: v for k, v in feed.items() if k in wanted}
+            units = _state_units(feed, wanted, npu=self.device != "CPU")
+            for layer, u in units.items():
+                inputs[f"recurrent_state.{layer}"] = inputs[f"recurrent_state.{layer}"] / u[:, None, None]
+                inputs[f"recurrent_scale.{layer}"] = u
             if on_part is not None:
                 on_part(i, inputs)
             result = dict(zip(names, session.run(names, inputs)))
+            for layer, u in units.items():  # back to real units: the chain's state, a tree's commit u
+                for name, unit in ((f"recurrent_state_out.{layer}", u[:, None, None]), (f"commit_u.{layer}", u[:, None])):
+                    if name in result:
+                        result[name] = result[name] * unit
             if "hidden_out" in result:
                 feed["hidden_in"] = result.pop("hidden_out")
             out.update(result)

@@ -280,6 +280,7 @@ def test_with_exported_target(text_tied, tmp_path):
     import onnxruntime as ort
     from hybrid_npu.config import ModelConfig
     from hybrid_npu.export.checkpoint import read_checkpoint
+    from hybrid_npu.runtime.pipeline import Pipeline
     from hybrid_npu.runtime.state import State
     from hybrid_npu.runtime.step_inputs import chain_feed
 
@@ -295,8 +296,7 @@ def test_with_exported_target(text_tied, tmp_path):
                                 providers=["CPUExecutionProvider"])
     n = manifest["graphs"]["prefill"]["n"]
     ids = [int(t) for t in np.random.default_rng(0).integers(0, 290, n)]
-    names = [o.name for o in sess.get_outputs()]
-    out = dict(zip(names, sess.run(None, chain_feed(cfg, State.fresh(cfg), ids, n))))
+    out = Pipeline([sess], "CPU").run(chain_feed(cfg, State.fresh(cfg), ids, n))  # it feeds the state units
     root = int(out["logits"][0].argmax())
     taps = dr.fuse_taps(out)
     dr.observe(ids[1:] + [root], taps)  # taps of position t pair with token t+1; the root closes the prompt

@@ -82,3 +82,24 @@ def test_norms_on_tiny_head_shapes_are_right_on_the_htp():
     np.testing.assert_array_equal(a, a2)  # not varying from run to run
     assert np.abs(a - rmsnorm_1p_ref(x, w, 1e-6)).max() < 2e-2
     assert np.abs(b - gated_rmsnorm_ref(x, z, 1 + w, 1e-6)).max() < 2e-2
+
+
+def test_norms_survive_massive_activations_on_the_htp():
+    """Rows with one channel at 300..60,000 (massive activations): x·x overflows fp16 past ~256, so
+    the plain-op norm squares x/max|x| instead (kernels/norms.py)."""
+    from hybrid_npu.kernels.norms import emit_gated_rmsnorm, emit_rmsnorm_1p, gated_rmsnorm_ref, rmsnorm_1p_ref
+
+    r = np.random.default_rng(2)
+    x = r.standard_normal((6, 48)).astype(np.float32)
+    for row, value in enumerate((300.0, -1200.0, 5000.0, 20000.0, 60000.0)):
+        x[row, 30] = value
+    z = r.standard_normal((6, 48)).astype(np.float32)
+    w = (0.3 * r.standard_normal(48)).astype(np.float32)
+    gb = GraphBuilder("norms_massive")
+    xi, zi = gb.input("x", np.float32, x.shape), gb.input("z", np.float32, z.shape)
+    gb.output(emit_rmsnorm_1p(gb, xi, gb.const(w), 1e-6), "a", np.float32, x.shape)
+    gb.output(emit_gated_rmsnorm(gb, xi, zi, gb.const(1 + w), 1e-6), "b", np.float32, x.shape)
+    _, (a, b) = run_both(gb, {"x": x, "z": z})
+    want_a, want_b = rmsnorm_1p_ref(x, w, 1e-6), gated_rmsnorm_ref(x, z, 1 + w, 1e-6)
+    assert np.abs(a - want_a).max() < 2e-2 * np.abs(want_a).max()
+    assert np.abs(b - want_b).max() < 2e-2 * np.abs(want_b).max()

@@ -384,3 +384,23 @@ def test_gqa_attention_numpy_vs_torch_vs_onnx():
                          "nv": values[:, past:], "m": mask})
     np.testing.assert_allclose(o, want, atol=1e-5)
     assert math.isfinite(float(o.sum()))
+
+
+def test_prescaled_norm_is_the_definition_on_massive_and_tiny_rows():
+    """The NPU norms divide each row by its max|x| before squaring (fp16-safe): in fp32 that is the
+    definition, on rows with channels at 300..60,000, unit rows, tiny rows and a zero row."""
+    r = np.random.default_rng(5)
+    x = r.standard_normal((6, 48)).astype(np.float32)
+    x[0, 3], x[1, 17], x[2, 30] = 300.0, -20000.0, 60000.0
+    x[3] *= 1e-5
+    x[4] = 0.0
+    w = (r.standard_normal(48) * 0.3).astype(np.float32)
+    hf = M5.Qwen3_5RMSNorm(48, eps=1e-6)
+    hf.weight.data = torch.from_numpy(w)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(norms._normalize_prescaled(x.astype(np.float64), 1e-6) * (1 + w), want, atol=1e-5)
+    g = GraphBuilder("norm_massive")
+    g.output(norms.emit_rmsnorm_1p(g, g.input("x", np.float32, [6, 48]), g.const(w), 1e-6), "a", np.float32, [6, 48])
+    (a,) = run_graph(g, {"x": x})
+    np.testing.assert_allclose(a, want, atol=1e-5)

@@ -237,6 +237,7 @@ def _random_feeds(path, free_dims, count=2):
         for i in session.get_inputs():
             shape = [free_dims.get(d, d) if isinstance(d, str) else d for d in i.shape]
             feed[i.name] = (np.zeros(shape, np.float32) if i.name == "attn_mask"
+                            else np.ones(shape, np.float32) if i.name.startswith("recurrent_scale.")  # state units
                             else rng.standard_normal(shape).astype(np.float32))
         yield feed
 

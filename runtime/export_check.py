@@ -87,8 +87,9 @@ def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int) 
         return UserError(f"{path / MANIFEST} contradicts {name}'s graph: {what}; the export is damaged or was "
                          f"edited: {_reexport(path)}")
 
+    units = {f"recurrent_scale.{i}" for i in cfg.linear_layers}  # Pipeline feeds these (state units)
     for k in inputs:
-        if k not in feed and k not in optional:
+        if k not in feed and k not in optional and k not in units:
             raise contradiction(f"the graph takes {k}, which the manifest's config does not produce")
     for k, arr in feed.items():
         if k not in inputs:

@@ -1,0 +1,116 @@
+"""Where a speculative round's time goes as the context grows: draft, host feeds, verify, commit
+(state commit + drafter observe), against one plain decode step at the same context.
+
+The context is stdlib source (the embedded model's own domain) prefilled to each length; then,
+at that context, rounds and decode steps alternate (so load from other jobs hits both) and each
+part keeps its best (min) time over the repeats.
+
+    python scripts/profile_speculative_round.py [--contexts 0,1500,6000,12000] [--repeats 12]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stdlib_corpus  # noqa: E402
+
+
+def source_tokens(tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    for d in sorted(stdlib_corpus.documents(), key=lambda d: d.name):
+        if d.kind == "code" and d.held_out:
+            ids += tokenizer.encode(d.text).ids
+            if len(ids) >= n + 64:
+                break
+    return ids
+
+
+def verify_nodes(engine, real: int) -> int:
+    """The verify graph's node count for a tree of `real` nodes (static N, or sized to the tree)."""
+    size = getattr(engine, "verify_size", None)
+    return size(real) if size else engine.manifest["graphs"]["verify"]["n"]
+
+
+def timed_round(engine, root: int) -> tuple[dict[str, float], list[int]]:
+    """One greedy round, the engine's own steps, timed part by part; returns (seconds, emitted)."""
+    from hybrid_npu.runtime.speculative import Tree, accept_greedy, commit_path, tree_feed
+
+    t0 = time.perf_counter()
+    tokens, parents = engine.drafter.propose(root, **engine.draft_shape)
+    t1 = time.perf_counter()
+    tree, n_real = Tree.from_draft(root, tokens, parents, verify_nodes(engine, len(tokens) + 1))
+    feed = tree_feed(engine.config, engine.state, tree)
+    t2 = time.perf_counter()
+    out = engine.pipelines["verify"].run(feed)
+    t3 = time.perf_counter()
+    path, bonus = accept_greedy(out["logits"], tree, n_real)
+    commit_path(engine.state, out, tree, path, engine.config.linear_conv_kernel_dim)
+    emitted = [tree.tokens[j] for j in path[1:]] + [bonus]
+    t4 = time.perf_counter()
+    engine.drafter.observe(emitted, engine._taps(out, np.array(path)))
+    t5 = time.perf_counter()
+    return {"draft": t1 - t0, "host_feeds": t2 - t1, "verify": t3 - t2, "commit": t4 - t3,
+            "drafter_observe": t5 - t4}, emitted
+
+
+def timed_decode(engine, token: int) -> float:
+    """One plain decode step at the current context (feeds included), state left untouched."""
+    from hybrid_npu.runtime.step_inputs import chain_feed
+
+    t0 = time.perf_counter()
+    engine.pipelines["decode"].run(chain_feed(engine.config, engine.state, [token], 1))
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--contexts", default="0,1500,6000,12000")
+    ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    import hybrid_npu
+
+    engine = hybrid_npu.load(args.model or hybrid_npu.default_model(), threads=args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    text_ids = source_tokens(engine.tokenizer, max(contexts) + 8)
+    rows = []
+    for ctx in contexts:
+        prompt = text_ids[: max(ctx, 24)]
+        best: dict[str, float] = {}
+        engine.generate(prompt, 1, speculative=False)  # fresh context and its first token
+        root = engine._pending[0]
+        engine._pending = []
+        # generate already showed the drafter this token (the root of the first round)
+        accepted = 0
+        for r in range(args.repeats):  # the context grows by a few tokens per round: negligible
+            best["decode_step"] = min(best.get("decode_step", 1e9), timed_decode(engine, root))
+            parts, emitted = timed_round(engine, root)
+            accepted += len(emitted) - 1
+            for name, s in parts.items():
+                best[name] = min(best.get(name, 1e9), s)
+            root = emitted[-1]
+        row = {"context": len(prompt), **{k: round(1e3 * v, 3) for k, v in best.items()},
+               "acceptance_length": round(1 + accepted / args.repeats, 2)}
+        row["round_total"] = round(sum(v for k, v in row.items() if k not in ("context", "decode_step", "acceptance_length")), 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    result = {"machine": platform.machine(), "threads": args.threads, "repeats": args.repeats,
+              "unit": "ms, best of repeats", "draft_shape": engine.draft_shape, "rows": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""When to speculate, and how deep: decided per step from what the rounds so far measured.
+
+Speculation pays only when a round's expected tokens per second beat plain decoding's. The policy
+keeps running estimates of
+  - the cost of a plain decode step, t_dec,
+  - the cost of a round: a fixed part (verify, commit, observe) per verify size and a draft cost
+    per level, and
+  - the per-token acceptance rate a of the drafter (a chain of depth d then emits
+    E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a) tokens, the bonus included).
+Costs are averaged asymmetrically: a faster measurement pulls the estimate down at once (weight
+`down`), a slower one up slowly (weight `up`). Noise on a shared machine only ever slows a call
+down, and a session's first call is slow (allocations): a plain average let one slow first
+decode step (measured: 5x the next ones) make rounds look better than plain for the whole reply.
+The slow upward drift still follows a context that grows. For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best depth, or a plain
+step when no depth wins. The acceptance estimate is the geometric one with censoring: a round of
+depth d that accepted A drafts saw A successes and, when A < d, one failure.
+
+Plain steps teach the policy nothing about acceptance, so while decoding plainly it probes: one
+round after `probe_every` plain steps, the interval doubling (up to `max_probe_every`) each time
+the probe loses and reset when speculation wins again. While speculating, a plain step after 2,
+then 4, 8, ... up to `refresh_every` rounds keeps t_dec current (soon at first: one early
+measurement is not yet to be trusted). The output never depends on these choices: a plain
+step and a verified round both emit the target's own tokens (greedy) or its own distribution
+(sampled, each decided before the step from the past only).
+
+The policy sees only numbers it is given (record_plain, record_round), never a clock, so its
+decisions are deterministic given the costs (tests feed fake ones).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecPolicy:
+    max_depth: int
+    verify_nodes: object = None          # depth -> verify graph size (static N: always the same)
+    down: float = 0.7                     # weight of a measurement below the estimate
+    up: float = 0.1                       # ... and of one above it
+    keep: float = 0.875                   # per round, how much of the old acceptance evidence stays
+    probe_every: int = 8
+    max_probe_every: int = 64
+    refresh_every: int = 16
+    margin: float = 1.0                   # speculate when its rate beats plain by this factor
+    # running estimates (None until measured)
+    decode_s: float | None = None
+    draft_level_s: float | None = None
+    fixed_s: dict = field(default_factory=dict)   # verify size -> round cost besides the draft
+    successes: float = 0.0                        # decayed acceptance counts
+    failures: float = 0.0
+    # bookkeeping
+    _plain_run: int = 0
+    _spec_run: int = 0
+    _probe_interval: int = 0
+    _refresh_interval: int = 2
+    decisions: list = field(default_factory=list)  # depth chosen per step (0 = plain)
+
+    def __post_init__(self):
+        if self.max_depth < 1:
+            raise ValueError("max_depth must be at least 1")
+        self._probe_interval = self.probe_every
+
+    # ------------------------------------------------------------ estimates
+    def _avg(self, old: float | None, new: float) -> float:
+        if old is None:
+            return new
+        return old + (self.down if new < old else self.up) * (new - old)
+
+    def acceptance(self) -> float:
+        """Per-token acceptance rate; 0.5 (no evidence either way) before any round."""
+        n = self.successes + self.failures
+        return 0.5 if n == 0 else self.successes / n
+
+    def expected_tokens(self, depth: int) -> float:
+        a = self.acceptance()
+        return depth + 1.0 if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+
+    def _nodes(self, depth: int) -> int:
+        return self.verify_nodes(depth) if callable(self.verify_nodes) else 0
+
+    def round_cost(self, depth: int) -> float | None:
+        if self.draft_level_s is None or not self.fixed_s:
+            return None
+        n = self._nodes(depth)
+        # an unmeasured verify size: charged as the nearest measured size at or above it (a larger
+        # graph costs more), else as the largest measured one
+        known = sorted(self.fixed_s)
+        above = [k for k in known if k >= n]
+        fixed = self.fixed_s[above[0]] if above else self.fixed_s[known[-1]]
+        return fixed + depth * self.draft_level_s
+
+    def best_depth(self) -> tuple[int, float]:
+        """(depth, tokens per second) of the best round by the estimates; (0, 0) if unknown."""
+        best = (0, 0.0)
+        for d in range(1, self.max_depth + 1):
+            c = self.round_cost(d)
+            if c is None:
+                return 0, 0.0
+            rate = self.expected_tokens(d) / max(c, 1e-12)
+            if rate > best[1]:
+                best = (d, rate)
+        return best
+
+    # ------------------------------------------------------------ decisions
+    def choose(self) -> int:
+        """Depth of the next step's draft; 0 = a plain decode step."""
+        d = self._choose()
+        self.decisions.append(d)
+        return d
+
+    def _choose(self) -> int:
+        if self.decode_s is None:
+            return 0 if self.draft_level_s is not None else self.max_depth  # one round first, then one plain
+        if self.draft_level_s is None:
+            return self.max_depth
+        depth, rate = self.best_depth()
+        wins = depth > 0 and rate * self.decode_s > self.margin
+        if wins:
+            self._probe_interval = self.probe_every
+            if self._spec_run >= self._refresh_interval:
+                self._refresh_interval = min(2 * self._refresh_interval, self.refresh_every)
+                return 0
+            return depth
+        if self._plain_run >= self._probe_interval:
+            self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+            return depth or self.max_depth
+        return 0
+
+    def record_plain(self, seconds: float) -> None:
+        self.decode_s = self._avg(self.decode_s, seconds)
+        self._plain_run += 1
+        self._spec_run = 0
+
+    def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float) -> None:
+        """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
+        (verify, commit, drafter observe)."""
+        self.draft_level_s = self._avg(self.draft_level_s, draft_s / max(depth, 1))
+        n = self._nodes(depth)
+        self.fixed_s[n] = self._avg(self.fixed_s.get(n), rest_s)
+        self.successes = self.keep * self.successes + min(accepted, depth)
+        self.failures = self.keep * self.failures + (accepted < depth)
+        self._spec_run += 1
+        self._plain_run = 0

@@ -170,8 +170,16 @@ class Engine:
         return out["logits"][0]
 
     def verify_nodes(self, depth: int) -> int:
-        """Nodes the verify graph runs for a draft of `depth` levels (its static N)."""
-        return self.manifest["graphs"]["verify"]["n"]
+        """Nodes the verify graph runs for a draft of `depth` levels: its static N, or on the CPU,
+        where the export has the sized graph, the smallest size that holds the largest tree the
+        draft shape grows at that depth (EAGLE-2: top_k, then top_k² per further level)."""
+        graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
+        sizes = graphs.get("cpu_verify", {}).get("sizes")
+        if not sizes or "npu_verify" in self.pipelines:
+            return n
+        k = self.draft_shape["top_k"]
+        real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
+        return next((m for m in sizes if m >= real), n)
 
     def _plain_step(self, token: int, temperature, top_k, top_p, rng, policy) -> int:
         """One decode step inside a speculative generation: the drafter is shown it later, in one

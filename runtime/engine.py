@@ -169,6 +169,14 @@ class Engine:
         self._last_out = out
         return out["logits"][0]
 
+    def _policy_for_now(self) -> SpecPolicy:
+        """The policy carries over from reply to reply (its costs and acceptance still hold); a
+        new one when the draft shape's depth changed."""
+        policy = getattr(self, "_policy", None)
+        if policy is None or policy.max_depth != self.draft_shape["depth"] or self._policy_maker is not self.make_policy:
+            self._policy, self._policy_maker = self.make_policy(self), self.make_policy
+        return self._policy
+
     def verify_nodes(self, depth: int) -> int:
         """Nodes the verify graph runs for a draft of `depth` levels: its static N, or on the CPU,
         where the export has the sized graph, the smallest size that holds the largest tree the
@@ -297,7 +305,7 @@ class Engine:
         token = choose(logits, temperature, top_k, top_p, rng)
         new = [token]
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
-        policy = self.make_policy(self) if speculative and self.adaptive else None
+        policy = self._policy_for_now() if speculative and self.adaptive else None
         if self.drafter is not None and self._tap_pending is not None:
             self.drafter.observe([token], self._tap_pending[None])
             self._tap_pending = None

@@ -7,11 +7,12 @@ keeps running estimates of
     per level, and
   - the per-token acceptance rate a of the drafter (a chain of depth d then emits
     E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a) tokens, the bonus included).
-Costs are averaged asymmetrically: a faster measurement pulls the estimate down at once (weight
-`down`), a slower one up slowly (weight `up`). Noise on a shared machine only ever slows a call
-down, and a session's first call is slow (allocations): a plain average let one slow first
-decode step (measured: 5x the next ones) make rounds look better than plain for the whole reply.
-The slow upward drift still follows a context that grows. For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best depth, or a plain
+Each cost is the median of its last `window` measurements: robust to what a shared machine does
+(a call now and then several times slower) and to a session's slow first call, without the
+optimism of a running minimum. Measured on the embedded pair: a plain average let one slow first
+decode step hold speculation on for a whole reply; a fast-down/slow-up average (a near-minimum)
+rated the noisier rounds too cheap and speculated where plain decoding was faster.
+For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best depth, or a plain
 step when no depth wins. The acceptance estimate is the geometric one with censoring: a round of
 depth d that accepted A drafts saw A successes and, when A < d, one failure.
 
@@ -28,24 +29,25 @@ decisions are deterministic given the costs (tests feed fake ones).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 
 @dataclass
 class SpecPolicy:
     max_depth: int
     verify_nodes: object = None          # depth -> verify graph size (static N: always the same)
-    down: float = 0.7                     # weight of a measurement below the estimate
-    up: float = 0.1                       # ... and of one above it
+    window: int = 8                       # measurements each cost's median is taken over
     keep: float = 0.875                   # per round, how much of the old acceptance evidence stays
     probe_every: int = 8
     max_probe_every: int = 64
     refresh_every: int = 16
     margin: float = 1.0                   # speculate when its rate beats plain by this factor
-    # running estimates (None until measured)
-    decode_s: float | None = None
-    draft_level_s: float | None = None
-    fixed_s: dict = field(default_factory=dict)   # verify size -> round cost besides the draft
+    # the last measurements of each cost
+    _decode: deque = field(default_factory=deque)
+    _draft_level: deque = field(default_factory=deque)
+    _fixed: dict = field(default_factory=dict)    # verify size -> round costs besides the draft
     successes: float = 0.0                        # decayed acceptance counts
     failures: float = 0.0
     # bookkeeping
@@ -53,7 +55,7 @@ class SpecPolicy:
     _spec_run: int = 0
     _probe_interval: int = 0
     _refresh_interval: int = 2
-    decisions: list = field(default_factory=list)  # depth chosen per step (0 = plain)
+    decisions: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent depths chosen (0 = plain)
 
     def __post_init__(self):
         if self.max_depth < 1:
@@ -61,10 +63,22 @@ class SpecPolicy:
         self._probe_interval = self.probe_every
 
     # ------------------------------------------------------------ estimates
-    def _avg(self, old: float | None, new: float) -> float:
-        if old is None:
-            return new
-        return old + (self.down if new < old else self.up) * (new - old)
+    def _add(self, seen: deque, seconds: float) -> None:
+        seen.append(seconds)
+        while len(seen) > self.window:
+            seen.popleft()
+
+    @property
+    def decode_s(self) -> float | None:
+        return median(self._decode) if self._decode else None
+
+    @property
+    def draft_level_s(self) -> float | None:
+        return median(self._draft_level) if self._draft_level else None
+
+    @property
+    def fixed_s(self) -> dict:
+        return {n: median(seen) for n, seen in self._fixed.items()}
 
     def acceptance(self) -> float:
         """Per-token acceptance rate; 0.5 (no evidence either way) before any round."""
@@ -79,14 +93,14 @@ class SpecPolicy:
         return self.verify_nodes(depth) if callable(self.verify_nodes) else 0
 
     def round_cost(self, depth: int) -> float | None:
-        if self.draft_level_s is None or not self.fixed_s:
+        if self.draft_level_s is None or not self._fixed:
             return None
-        n = self._nodes(depth)
+        n, fixed_s = self._nodes(depth), self.fixed_s
         # an unmeasured verify size: charged as the nearest measured size at or above it (a larger
         # graph costs more), else as the largest measured one
-        known = sorted(self.fixed_s)
+        known = sorted(fixed_s)
         above = [k for k in known if k >= n]
-        fixed = self.fixed_s[above[0]] if above else self.fixed_s[known[-1]]
+        fixed = fixed_s[above[0]] if above else fixed_s[known[-1]]
         return fixed + depth * self.draft_level_s
 
     def best_depth(self) -> tuple[int, float]:
@@ -127,16 +141,15 @@ class SpecPolicy:
         return 0
 
     def record_plain(self, seconds: float) -> None:
-        self.decode_s = self._avg(self.decode_s, seconds)
+        self._add(self._decode, seconds)
         self._plain_run += 1
         self._spec_run = 0
 
     def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float) -> None:
         """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
         (verify, commit, drafter observe)."""
-        self.draft_level_s = self._avg(self.draft_level_s, draft_s / max(depth, 1))
-        n = self._nodes(depth)
-        self.fixed_s[n] = self._avg(self.fixed_s.get(n), rest_s)
+        self._add(self._draft_level, draft_s / max(depth, 1))
+        self._add(self._fixed.setdefault(self._nodes(depth), deque()), rest_s)
         self.successes = self.keep * self.successes + min(accepted, depth)
         self.failures = self.keep * self.failures + (accepted < depth)
         self._spec_run += 1

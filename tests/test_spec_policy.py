@@ -23,7 +23,7 @@ def drive(policy, steps, decode_s, draft_level_s, fixed_s, accept):
         else:
             policy.record_plain(decode_s(plains) if callable(decode_s) else decode_s)
             plains += 1
-    return policy.decisions
+    return list(policy.decisions)
 
 
 def test_a_drafter_that_is_always_right_speculates_at_full_depth():

@@ -16,6 +16,12 @@ For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best de
 step when no depth wins. The acceptance estimate is the geometric one with censoring: a round of
 depth d that accepted A drafts saw A successes and, when A < d, one failure.
 
+A cost is kept only when the step before was of the same kind: the first plain step after rounds
+(and the first round after plain steps) runs with the other session's weights in the caches and
+costs more than in a run of its kind; kept, it made plain decoding look slower than it is and
+the policy speculated where plain was faster (measured, embedded pair after 500 tokens: 0.61x).
+So the first rounds and a refresh of t_dec are two steps, the second one measured.
+
 Plain steps teach the policy nothing about acceptance, so while decoding plainly it probes: one
 round after `probe_every` plain steps, the interval doubling (up to `max_probe_every`) each time
 the probe loses and reset when speculation wins again. While speculating, a plain step after 2,
@@ -55,6 +61,8 @@ class SpecPolicy:
     _spec_run: int = 0
     _probe_interval: int = 0
     _refresh_interval: int = 2
+    _last: str | None = None                      # kind of the step before: "plain" or "round"
+    _refreshing: bool = False
     decisions: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent depths chosen (0 = plain)
 
     def __post_init__(self):
@@ -122,34 +130,46 @@ class SpecPolicy:
         self.decisions.append(d)
         return d
 
-    def _choose(self) -> int:
+    def plan(self) -> int:
+        """The depth the estimates favour now, 0 when a plain step beats every round (or unknown)."""
         if self.decode_s is None:
-            return 0 if self.draft_level_s is not None else self.max_depth  # one round first, then one plain
-        if self.draft_level_s is None:
-            return self.max_depth
+            return 0
         depth, rate = self.best_depth()
-        wins = depth > 0 and rate * self.decode_s > self.margin
-        if wins:
+        return depth if depth > 0 and rate * self.decode_s > self.margin else 0
+
+    def _choose(self) -> int:
+        if self.draft_level_s is None:  # measure a round (the second of a run is the one kept)
+            return self.max_depth
+        if self.decode_s is None or self._refreshing:  # ... then a plain step, likewise
+            self._refreshing = self._refreshing and self._last != "plain"
+            return 0
+        depth = self.plan()
+        if depth:
             self._probe_interval = self.probe_every
             if self._spec_run >= self._refresh_interval:
                 self._refresh_interval = min(2 * self._refresh_interval, self.refresh_every)
+                self._refreshing = True
                 return 0
             return depth
         if self._plain_run >= self._probe_interval:
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-            return depth or self.max_depth
+            return self.best_depth()[0] or self.max_depth
         return 0
 
     def record_plain(self, seconds: float) -> None:
-        self._add(self._decode, seconds)
+        if self._last == "plain":
+            self._add(self._decode, seconds)
+        self._last = "plain"
         self._plain_run += 1
         self._spec_run = 0
 
     def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float) -> None:
         """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
         (verify, commit, drafter observe)."""
-        self._add(self._draft_level, draft_s / max(depth, 1))
-        self._add(self._fixed.setdefault(self._nodes(depth), deque()), rest_s)
+        if self._last == "round":
+            self._add(self._draft_level, draft_s / max(depth, 1))
+            self._add(self._fixed.setdefault(self._nodes(depth), deque()), rest_s)
+        self._last = "round"
         self.successes = self.keep * self.successes + min(accepted, depth)
         self.failures = self.keep * self.failures + (accepted < depth)
         self._spec_run += 1

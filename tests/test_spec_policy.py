@@ -26,32 +26,57 @@ def drive(policy, steps, decode_s, draft_level_s, fixed_s, accept):
     return list(policy.decisions)
 
 
+def runs(decisions):
+    """[(kind, length)] of consecutive plain steps ("p") and rounds ("r")."""
+    out = []
+    for d in decisions:
+        kind = "r" if d else "p"
+        if out and out[-1][0] == kind:
+            out[-1][1] += 1
+        else:
+            out.append([kind, 1])
+    return [tuple(r) for r in out]
+
+
 def test_a_drafter_that_is_always_right_speculates_at_full_depth():
     p = SpecPolicy(6, refresh_every=16)
-    dec = drive(p, 60, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
-    # one round and one plain step to measure both, then rounds with a plain step after 2, 4, 8,
-    # then every 16 rounds
-    runs = "".join("r" if d else "p" for d in dec).split("p")
-    assert dec[0] == 6 and set(dec) == {0, 6}
-    assert [len(r) for r in runs[:6]] == [1, 2, 4, 8, 16, 16]
-    assert drive(SpecPolicy(6, refresh_every=16), 60, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d) == dec
+    dec = drive(p, 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    # two rounds and two plain steps to measure both (the second of each kept), then rounds with
+    # two plain steps after 2, 4, 8, then every 16 rounds
+    assert set(dec) == {0, 6}
+    assert runs(dec)[:11] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4), ("p", 2), ("r", 8), ("p", 2),
+                              ("r", 16), ("p", 2), ("r", 16)]
+    assert drive(SpecPolicy(6, refresh_every=16), 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d) == dec
 
 
 def test_a_drafter_that_is_never_right_falls_back_and_probes_less_and_less():
     p = SpecPolicy(6, probe_every=8, max_probe_every=32)
     dec = drive(p, 200, 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
-    probes = [i for i, d in enumerate(dec) if d][1:]  # after the first measuring round
-    gaps = np.diff([0] + probes) - 1  # plain steps before each probe
+    probes = [i for i, d in enumerate(dec) if d][2:]  # after the two measuring rounds
+    gaps = np.diff([1] + probes) - 1  # plain steps before each probe
     assert list(gaps[:4]) == [8, 16, 32, 32]
-    assert sum(1 for d in dec if d) <= 8  # of 200 steps
+    assert sum(1 for d in dec if d) <= 10  # of 200 steps
 
 
 def test_one_slow_first_decode_step_does_not_hold_speculation_on():
-    """First decode step 5x slow (a session's first call), then 10 ms; a round costs 21 ms and
-    accepts nothing (1 token): plain must win once a second plain step is measured."""
+    """The first kept decode step 5x slow, then 10 ms; a round costs 21 ms and accepts nothing
+    (1 token): plain must win once a third plain step is measured (the median of 50, 10, 10)."""
     p = SpecPolicy(6, probe_every=8, max_probe_every=8)
-    dec = drive(p, 40, lambda k: 50 * MS if k == 0 else 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
-    assert sum(1 for d in dec[10:] if d) <= 4  # probes only: every 9th step
+    dec = drive(p, 40, lambda k: 50 * MS if k <= 1 else 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
+    assert runs(dec)[:5] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4)]
+    assert runs(dec)[5:9] == [("p", 8), ("r", 1), ("p", 8), ("r", 1)]  # then plain, and probes only
+
+
+def test_a_cost_right_after_the_other_kind_of_step_is_not_kept():
+    """The first plain step after rounds (cold caches) is not what plain decoding costs."""
+    p = SpecPolicy(6)
+    p.record_round(6, 6, 6 * MS, 15 * MS)   # after nothing: not kept
+    assert p.draft_level_s is None
+    p.record_round(6, 6, 6 * MS, 15 * MS)
+    p.record_plain(40 * MS)                  # right after a round: not kept
+    assert p.decode_s is None
+    p.record_plain(10 * MS)
+    assert p.decode_s == pytest.approx(10 * MS) and p.round_cost(6) == pytest.approx(21 * MS)
 
 
 def expected_tokens(a, d):
@@ -67,18 +92,20 @@ def test_it_picks_the_depth_with_the_best_rate_or_plain(fixed_ms, draft_ms, deco
     expected tokens per second, computed here from the distribution of accepted drafts; plain when
     no depth beats one token per decode step."""
     p = SpecPolicy(6)
-    p.record_plain(decode_ms * MS)
-    p.record_round(2, 1, 2 * draft_ms * MS, fixed_ms * MS)
+    for _ in range(2):  # the second of each kind is the one kept
+        p.record_plain(decode_ms * MS)
+    for _ in range(2):
+        p.record_round(2, 1, 2 * draft_ms * MS, fixed_ms * MS)
     assert p.acceptance() == pytest.approx(0.5)
     rates = {d: expected_tokens(0.5, d) / ((fixed_ms + d * draft_ms) * MS) for d in range(1, 7)}
     best = max(rates, key=rates.get)
     want = best if rates[best] * decode_ms * MS > 1 else 0
-    assert p.choose() == want
+    assert p.plan() == want
 
 
 def test_verify_cost_is_kept_per_graph_size():
     p = SpecPolicy(4, verify_nodes=lambda d: 4 if d <= 1 else 8)
-    p.record_plain(5 * MS)
+    p.record_round(1, 1, 1 * MS, 2 * MS)  # the first of a run: not kept
     p.record_round(1, 1, 1 * MS, 2 * MS)
     p.record_round(3, 3, 3 * MS, 9 * MS)
     assert p.round_cost(1) == pytest.approx(p.draft_level_s + 2 * MS)

@@ -50,6 +50,7 @@ class SpecPolicy:
     max_probe_every: int = 64
     refresh_every: int = 16
     margin: float = 1.0                   # speculate when its rate beats plain by this factor
+    hysteresis: float = 0.2               # ... and by (1 + this) more to switch from plain decoding
     # the last measurements of each cost
     _decode: deque = field(default_factory=deque)
     _draft_level: deque = field(default_factory=deque)
@@ -135,7 +136,10 @@ class SpecPolicy:
         if self.decode_s is None:
             return 0
         depth, rate = self.best_depth()
-        return depth if depth > 0 and rate * self.decode_s > self.margin else 0
+        # switching costs what neither estimate holds (the caches refill with the other session's
+        # weights): measured, plain steps between rounds ran ~2x a plain step in a run of them
+        need = self.margin * (1 + self.hysteresis if self._last == "plain" else 1)
+        return depth if depth > 0 and rate * self.decode_s > need else 0
 
     def _choose(self) -> int:
         if self.draft_level_s is None:  # measure a round (the second of a run is the one kept)

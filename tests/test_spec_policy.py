@@ -164,3 +164,15 @@ def test_plain_steps_inside_speculation_sample_as_plain_decoding(eagle3_export):
     engine.make_policy = lambda e: Scripted([0])
     assert engine.generate(prompt, 40, temperature=0.9, top_p=0.95, seed=7, stop_at_eos=False) == plain
     assert engine.last_stats["rounds"] == 0
+
+
+def test_leaving_plain_decoding_needs_a_clear_win():
+    """Rounds at 1.11x plain's rate: kept on while speculating, not worth switching to from plain."""
+    p = SpecPolicy(3)
+    for _ in range(2):
+        p.record_round(1, 0, 1 * MS, 8 * MS)  # nothing accepted: 1 token per 9 ms
+    for _ in range(2):
+        p.record_plain(10 * MS)
+    assert p.plan() == 0
+    p.record_round(1, 0, 1 * MS, 8 * MS)
+    assert p.plan() == 1

@@ -7,7 +7,7 @@ keeps running estimates of
     per level, and
   - the per-token acceptance rate a of the drafter (a chain of depth d then emits
     E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a) tokens, the bonus included).
-Each round cost is the median of its last `window` measurements, t_dec their minimum: robust to what a shared machine does
+Each cost is the median of its last `window` measurements: robust to what a shared machine does
 (a call now and then several times slower) and to a session's slow first call, without the
 optimism of a running minimum. Measured on the embedded pair: a plain average let one slow first
 decode step hold speculation on for a whole reply; a fast-down/slow-up average (a near-minimum)
@@ -79,9 +79,7 @@ class SpecPolicy:
 
     @property
     def decode_s(self) -> float | None:
-        """The fastest of the recent plain steps: plain steps measured between rounds run slower
-        than a run of them does (measured), so the estimate leans to plain, the safe side."""
-        return min(self._decode) if self._decode else None
+        return median(self._decode) if self._decode else None
 
     @property
     def draft_level_s(self) -> float | None:

@@ -55,7 +55,15 @@ def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
              "verify": StepSpec(n=verify, tree=True, all_logits=True)}
     if chunk > 1:  # the CPU runs prefill chunks and decode tokens through this one: one prepacked copy
         specs["cpu"] = StepSpec(n=chunk, cpu_kernels=True, any_n=True)
+    # the CPU verifies through a graph sized to the draft (a 3-token chain need not pay for 32 nodes);
+    # the NPU keeps the static `verify`
+    specs["cpu_verify"] = StepSpec(n=verify, tree=True, all_logits=True, tree_sizes=verify_sizes(verify))
     return specs
+
+
+def verify_sizes(verify: int) -> tuple[int, ...]:
+    """Tree sizes the CPU verify graph runs: powers of two from 2 below `verify`, and `verify`."""
+    return tuple(sorted({1 << j for j in range(1, verify.bit_length()) if 1 << j < verify} | {verify}))
 
 
 def state_layout(cfg: ModelConfig) -> list[dict]:
@@ -274,6 +282,7 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
         onnx.save_model(model, path)
         onnx.checker.check_model(str(path))
         graphs[name] = {"file": f"graphs/{name}.onnx", "n": specs[name].n, "nodes": len(model.graph.node),
+                        **({"sizes": list(specs[name].tree_sizes)} if specs[name].tree_sizes else {}),
                         "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
         if not aside:
             say(f"wrote {path.name}: {len(model.graph.node)} nodes")

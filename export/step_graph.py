@@ -54,12 +54,17 @@ class StepSpec:
     any_n: bool = False          # the CPU graph: one token (the decode graph's cores) or a chunk of n
     #                              (the prefill graph's) per call, its N-specific cores under If and the
     #                              weight matmuls outside, so one session prepacks the weights once
+    tree_sizes: tuple[int, ...] = ()  # the CPU verify graph: a tree of any of these sizes per call (the
+    #                              host pads a tree up to the next one); each size's cores under If
 
     def __post_init__(self):
         if self.cpu_kernels and (self.n != 1 and not self.any_n or self.tree or self.npu):
             raise ValueError("cpu_kernels is the one-token CPU decode graph's")
         if self.any_n and not (self.cpu_kernels and self.n > 1 and not self.first_layer and self.end_layer is None):
             raise ValueError("any_n is the whole CPU graph's, with cpu_kernels and a chunk n > 1")
+        if self.tree_sizes and not (self.tree and not self.npu and not self.first_layer and self.end_layer is None
+                                    and max(self.tree_sizes) == self.n and min(self.tree_sizes) >= 2):
+            raise ValueError("tree_sizes is the whole CPU verify graph's, sizes >= 2 up to n")
 
     def layers(self, cfg: ModelConfig) -> range:
         return range(self.first_layer, cfg.num_layers if self.end_layer is None else self.end_layer)
@@ -70,7 +75,8 @@ class _Builder:
         self.cfg, self.plan, self.spec = cfg, plan, spec
         self.g = GraphBuilder(name)
         self.n = spec.n
-        self.rows = "n" if spec.any_n else spec.n  # N in the graph's I/O shapes
+        self.sized = bool(spec.tree_sizes)
+        self.rows = "n" if spec.any_n or self.sized else spec.n  # N in the graph's I/O shapes
 
     def declare(self, stored: str) -> str:
         entry = self.plan.entries[stored]
@@ -122,6 +128,9 @@ class _Builder:
             ids = g.input("input_ids", np.int64, [n])
             if spec.any_n:  # the one-token cores run when the call brings one token
                 self.one = g.op("Equal", g.op("Shape", ids, start=0, end=1), g.ints([1]))
+            if self.sized:  # which size's cores run
+                count = g.op("Shape", ids, start=0, end=1)
+                self.size_is = {m: g.op("Equal", count, g.ints([m])) for m in spec.tree_sizes}
             table = self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size))
             if not self.plan.quantizable:
                 x = g.op("Gather", self.w(table), ids, axis=0)
@@ -165,10 +174,14 @@ class _Builder:
         c, g, n = self.cfg, self.g, self.n
         k = c.linear_conv_kernel_dim
         if self.spec.tree:
-            m = g.input("tree_mask", np.float32, [n, n])
+            m = g.input("tree_mask", np.float32, [self.rows, self.rows])
             self.mask, self.mask_t = m, g.transpose(m, [1, 0])
-            self.strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
-            self.tree_select = g.input("conv_tree_select", np.float32, [k - 1, n, k - 1 + n])
+            if self.sized:  # the diagonal of whatever size the call brings
+                self.strict = g.op("Sub", m, g.op("Mul", m, g.op("EyeLike", m)))
+            else:
+                self.strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
+            self.tree_select = g.input("conv_tree_select", np.float32, [k - 1, n, k - 1 + n] if not self.sized
+                                       else [k - 1, "n", "k_minus_1_plus_n"])
             self.state_select = None
         else:
             causal = np.tril(np.ones((n, n), dtype=np.float32))
@@ -216,6 +229,11 @@ class _Builder:
                 o2, conv2, S2, _ = self._gdn_core(*core, n=self.n, step=False)
                 o2 = g.reshape(o2, [self.n, hv * dv])
             o, new_conv, S_after = g.if_(self.one, (one, [o1, conv1, S1]), (chunk, [o2, conv2, S2]))
+        elif self.sized:
+            def sized_core(m):
+                o_m, _, _, (ck_m, cu_m, cg_m) = self._gdn_core(*core, n=m, step=False)
+                return [g.reshape(o_m, [m, hv, dv]), ck_m, cu_m, cg_m]
+            o, *commit = self._by_size(sized_core)
         else:
             o, new_conv, S_after, commit = self._gdn_core(*core, n=self.n, step=self.spec.cpu_kernels, unit=unit)
         if self.spec.tree:
@@ -238,8 +256,9 @@ class _Builder:
                 ru = g.op("Reciprocal", g.op("Sqrt", g.reshape(unit, [hv, 1])))
                 ru2 = g.op("Mul", ru, ru)
                 eps_scale = g.op("Mul", ru2, ru2)
-            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [n, hv, dv]), norm_w, c.rms_norm_eps, eps_scale),
-                               [n, hv * dv])
+            rows = -1 if self.sized else n
+            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [rows, hv, dv]), norm_w, c.rms_norm_eps,
+                                                  eps_scale), [rows, hv * dv])
         return self.linear(normed, a + "out_proj", [a + "out_proj.weight"], hv * dv, [c.hidden_size])[0]
 
     def _gdn_core(self, qkv, conv_state, conv_w, S, beta, decay, *, n: int, step: bool, unit: str | None = None):
@@ -278,11 +297,28 @@ class _Builder:
             with g.capture() as chunk:
                 r2 = self._attention_core(qg, k, v, *past, a, n=self.n)
             gated, new_k, new_v = g.if_(self.one, (one, list(r1)), (chunk, list(r2)))
+        elif self.sized:
+            gated, new_k, new_v = self._by_size(lambda m: list(self._attention_core(qg, k, v, *past, a, n=m)))
         else:
             gated, new_k, new_v = self._attention_core(qg, k, v, *past, a, n=self.n)
         g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
         g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
         return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
+
+    def _by_size(self, core) -> list[str]:
+        """core(m) -> outputs, for each tree size m, chosen by the call's token count: nested Ifs,
+        the largest size in the innermost else."""
+        g, sizes = self.g, sorted(self.spec.tree_sizes)
+
+        def pick(j: int) -> list[str]:
+            if j == len(sizes) - 1:
+                return core(sizes[j])
+            with g.capture() as then:
+                outs = core(sizes[j])
+            with g.capture() as other:
+                rest = pick(j + 1)
+            return g.if_(self.size_is[sizes[j]], (then, outs), (other, rest))
+        return pick(0)
 
     def _attention_core(self, qg, k, v, past_k, past_v, a: str, *, n: int):
         """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""
@@ -302,7 +338,7 @@ class _Builder:
         if not self.spec.all_logits:
             x = g.op("Gather", x, g.input("last_index", np.int64, [1]), axis=0)
         h = self.norm1p(x, "norm.weight", c.hidden_size)
-        rows = n if self.spec.all_logits else 1
+        rows = self.rows if self.spec.all_logits else 1
         if self.plan.quantizable:  # its own copy when tied; int8 under MatMulNBits (QuantSpec.head_bits)
             src = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
             bits = self.plan.quant.head_bits if self.plan.quant is not None else None

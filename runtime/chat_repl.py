@@ -118,7 +118,8 @@ def status_line(reply: Reply, conv: Conversation, width: int | None = None) -> s
     parts = [f"prefill {s['prefill_tokens']} tok{kept} {s['prefill_tokens_per_s']:.0f} tok/s {s['prefill_device']}",
              f"decode {s['decode_tokens']} tok {rate} {s['decode_device']}"]
     if "acceptance_length" in s:
-        parts.append(f"accept {s['acceptance_length']:.2f}")
+        plain = f", {s['plain_steps']} plain steps" if s.get("plain_steps") else ""  # where rounds did not pay
+        parts.append(f"accept {s['acceptance_length']:.2f} over {s['rounds']} rounds{plain}")
     parts.append(f"context {len(conv.engine.context_ids())}/{mem['max_context']}")
     parts.append(f"RSS {psutil.Process().memory_info().rss / 2**20:.0f} MiB")
     parts[0] = ("[stopped] [" if reply.stopped else "[") + parts[0]

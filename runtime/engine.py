@@ -26,6 +26,7 @@ from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
 from .sampling import check_sampling, choose, model_defaults
+from .spec_policy import SpecPolicy
 from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
@@ -115,6 +116,10 @@ class Engine:
         self.reset()
         self.last_stats: dict = {}
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
+        # speculation decides per step whether a round pays (runtime/spec_policy.py); False: every
+        # step is a round. make_policy(engine) -> a SpecPolicy (tests inject fixed costs)
+        self.adaptive = True
+        self.make_policy = lambda engine: SpecPolicy(engine.draft_shape["depth"], verify_nodes=engine.verify_nodes)
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
@@ -181,6 +186,7 @@ class Engine:
         self._pending: list[int] = []
         self._tap_pending: np.ndarray | None = None
         self.checkpoints.clear()
+        self._drafter_lag: list = []  # (token, taps before it) from plain steps, not yet observed
         if getattr(self, "drafter", None) is not None:
             self.drafter.reset()
 
@@ -193,7 +199,43 @@ class Engine:
         commit_chain(self.state, out, ids)
         if self.drafter is not None and graph != "decode":
             self._feed_drafter(ids, self._taps(out, np.arange(len(ids))))
+        self._last_out = out
         return out["logits"][0]
+
+    def _policy_for_now(self) -> SpecPolicy:
+        """The policy carries over from reply to reply (its costs and acceptance still hold); a
+        new one when the draft shape's depth changed."""
+        policy = getattr(self, "_policy", None)
+        if policy is None or policy.max_depth != self.draft_shape["depth"] or self._policy_maker is not self.make_policy:
+            self._policy, self._policy_maker = self.make_policy(self), self.make_policy
+        return self._policy
+
+    def verify_nodes(self, depth: int) -> int:
+        """Nodes the verify graph runs for a draft of `depth` levels: its static N, or on the CPU,
+        where the export has the sized graph, the smallest size that holds the largest tree the
+        draft shape grows at that depth (EAGLE-2: top_k, then top_k² per further level)."""
+        graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
+        sizes = graphs.get("cpu_verify", {}).get("sizes")
+        if not sizes or "npu_verify" in self.pipelines:
+            return n
+        k = self.draft_shape["top_k"]
+        real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
+        return next((m for m in sizes if m >= real), n)
+
+    def _plain_step(self, token: int, temperature, top_k, top_p, rng, policy) -> int:
+        """One decode step inside a speculative generation: the drafter is shown it later, in one
+        call before the next round (_catch_up_drafter), not one call per plain token."""
+        t0 = time.perf_counter()
+        nxt = choose(self._step("decode", [token]), temperature, top_k, top_p, rng)
+        policy.record_plain(time.perf_counter() - t0)
+        self._drafter_lag.append((nxt, self._taps(self._last_out, [0])[0]))
+        self.spec_stats["plain_steps"] += 1
+        return nxt
+
+    def _catch_up_drafter(self) -> None:
+        if self._drafter_lag:
+            self.drafter.observe([t for t, _ in self._drafter_lag], np.stack([f for _, f in self._drafter_lag]))
+            self._drafter_lag = []
 
     def _taps(self, out: dict[str, np.ndarray], rows) -> np.ndarray:
         """The EAGLE-3 feature of the given token rows: taps low | mid | high, concatenated."""
@@ -387,7 +429,9 @@ class Engine:
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         token = choose(logits, temperature, top_k, top_p, rng)
-        new, self.spec_stats = [token], {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
+        new = [token]
+        self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
+        policy = self._policy_for_now() if speculative and self.adaptive else None
         if self.drafter is not None and self._tap_pending is not None:
             self.drafter.observe([token], self._tap_pending[None])
             self._tap_pending = None
@@ -396,15 +440,20 @@ class Engine:
         if on_token:
             on_token(token)
         while not done():
-            if speculative and self._round_fits():  # near the plan's limit the last tokens decode plainly
+            depth = (policy.choose() if policy else self.draft_shape["depth"]) if speculative else 0
+            if depth and self._round_fits():  # near the plan's limit the last tokens decode plainly
                 emitted = self._speculative_round(new[-1], limit - len(new), stop_at_eos,
-                                                  temperature, top_k, top_p, rng)
+                                                  temperature, top_k, top_p, rng, depth, policy)
+            elif speculative:
+                emitted = [self._plain_step(new[-1], temperature, top_k, top_p, rng, policy)]
             else:
                 emitted = [choose(self._step("decode", [new[-1]]), temperature, top_k, top_p, rng)]
             for t in emitted:
                 new.append(t)
                 if on_token:
                     on_token(t)
+        if speculative:
+            self._catch_up_drafter()  # the next turn's prefill continues the drafter from new[-1]
         t_decode = time.perf_counter() - t1
         self._pending = new[-1:]
         self.last_stats = {
@@ -417,18 +466,23 @@ class Engine:
         }
         if speculative:
             r = self.spec_stats
-            self.last_stats.update(rounds=r["rounds"], draft_s=r["draft_s"], verify_s=r["verify_s"],
+            self.last_stats.update(rounds=r["rounds"], plain_steps=r["plain_steps"], draft_s=r["draft_s"],
+                                   verify_s=r["verify_s"],
                                    verify_device=r.get("verify_device", CPU_DEVICE),
                                    acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1))
         return new
 
     def _speculative_round(self, root: int, room: int, stop_at_eos: bool, temperature: float, top_k: int,
-                           top_p: float, rng) -> list[int]:
-        """Draft a tree under `root`, verify it in one pass, commit the accepted path; returns the
-        tokens it emits (accepted drafts + the target's bonus token), at most `room`."""
-        n = self.manifest["graphs"]["verify"]["n"]
+                           top_p: float, rng, depth: int | None = None, policy: SpecPolicy | None = None) -> list[int]:
+        """Draft a tree of `depth` levels (default: the draft shape's) under `root`, verify it in
+        one pass, commit the accepted path; returns the tokens it emits (accepted drafts + the
+        target's bonus token), at most `room`. policy: told what the round cost and accepted."""
+        depth = self.draft_shape["depth"] if depth is None else depth
+        n = self.verify_nodes(depth)
+        tc = time.perf_counter()
+        self._catch_up_drafter()
         t0 = time.perf_counter()
-        draft_tokens, draft_parents = self.drafter.propose(root, **self.draft_shape)
+        draft_tokens, draft_parents = self.drafter.propose(root, **dict(self.draft_shape, depth=depth))
         tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
         t1 = time.perf_counter()
         self._check_fits(n)
@@ -442,6 +496,7 @@ class Engine:
             path, bonus = accept_greedy(out["logits"], tree, n_real)
         else:
             path, bonus = accept_sampled(out["logits"], tree, n_real, temperature, top_k, top_p, rng)
+        accepted_drafts = len(path) - 1
         emitted = [tree.tokens[j] for j in path[1:]] + [bonus]
         if stop_at_eos:  # nothing after an end-of-sequence token
             cut = next((i for i, t in enumerate(emitted) if t in self.config.eos_token_ids), None)
@@ -450,10 +505,13 @@ class Engine:
         path = path[: len(emitted)]  # the root and the drafts before the last emitted token
         commit_path(self.state, out, tree, path, self.config.linear_conv_kernel_dim)
         self.drafter.observe(emitted, self._taps(out, np.array(path)))
+        t2 = time.perf_counter()
+        if policy is not None:  # what the target accepted, before any cut (room, end of sequence)
+            policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1)
         self.spec_stats["rounds"] += 1
         self.spec_stats["accepted"] += len(path) - 1
-        self.spec_stats["draft_s"] += t1 - t0
-        self.spec_stats["verify_s"] += time.perf_counter() - t1
+        self.spec_stats["draft_s"] += t1 - tc
+        self.spec_stats["verify_s"] += t2 - t1
         return emitted
 
     def context_ids(self) -> list[int]:
@@ -482,7 +540,7 @@ class Engine:
         if check is not None:
             check(extra)
         self.state = state
-        self._pending, self._tap_pending = [], None
+        self._pending, self._tap_pending, self._drafter_lag = [], None, []
         self.checkpoints.clear()
         for checkpoint in saved:  # the drafter is not saved: a restore makes it start over
             self.checkpoints.add(checkpoint)

@@ -11,7 +11,10 @@ import onnxruntime as ort
 
 def cpu_graph(graphs: dict, name: str) -> str:
     """The export graph a CPU step `name` runs: prefill and decode share the any-N "cpu" graph
-    where the export has one (one session, so its quantised weights are prepacked once)."""
+    where the export has one (one session, so its quantised weights are prepacked once); verify
+    runs the graph sized to the draft ("cpu_verify") where the export has one."""
+    if name == "verify" and "cpu_verify" in graphs:
+        return "cpu_verify"
     return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
 
 

@@ -132,12 +132,43 @@ def test_onnx_matches_torch_with_kv(plain):
     dr.reset()
     dr.observe(toks[:10], taps[:10])
     f = dr.fc.run(None, {"taps": taps[10:]})[0]
-    vis = np.zeros((3, dr.key.shape[1]), bool)
-    vis[:, :10] = True
-    out = dr._run(f, toks[10:], 10 + np.arange(3), vis, np.tril(np.ones((3, 3), bool)), np.arange(3))
+    vis = np.ones((3, 10), bool)
+    out = dr._run(f, toks[10:], 10 + np.arange(3), 0, 10, vis, np.tril(np.ones((3, 3), bool)), np.arange(3))
     lg, hid = ref_layer(w, ref_fc(w, taps), toks, np.arange(13), np.tril(np.ones((13, 13), bool)))
     close(out["logits"], lg[10:])
     close(out["hidden"], hid[10:])
+
+
+def test_window_sees_only_the_last_rows(plain):
+    """A drafter with a window of W stable rows = the reference whose query at position t sees
+    rows [t - W, t] only (observe one token at a time, then a chain proposal); a window longer
+    than the context changes nothing."""
+    w, outs = plain
+    W, n = 4, 11
+    dr, full = Eagle3Drafter(outs["eagle3"], window=W), Eagle3Drafter(outs["eagle3"], window=None)
+    taps, toks = taps_and_tokens(n)
+    band = np.array([[t - W <= j <= t for j in range(n)] for t in range(n)])
+    lg, hid = ref_layer(w, ref_fc(w, taps), toks, np.arange(n), band)
+    for t in range(n):
+        dr.observe(toks[t: t + 1], taps[t: t + 1])
+        full.observe(toks[t: t + 1], taps[t: t + 1])
+        close(dr._logits, lg[t])
+        close(dr._hidden, hid[t])
+    # a 3-level chain: level-2 query at position n sees stable rows [n - W, n) and the level-1 row
+    tokens, _ = dr.propose(toks[-1], top_k=1, depth=3, total_tokens=2)
+    feats, ids, pos = list(ref_fc(w, taps).numpy()), list(toks), list(range(n))
+    feats.append(hid[-1])
+    ids.append(tokens[0])
+    pos.append(n)
+    m = n + 1
+    band2 = np.array([[(r >= n) or (max(p, n) - W <= r <= p) for r in range(m)] for p in pos]) & np.tril(
+        np.ones((m, m), bool))
+    band2[:n, :n] = band
+    l2, _ = ref_layer(w, np.stack(feats), ids, np.array(pos), band2)
+    assert tokens[1] == int(d2t(w)[np.argmax(l2[-1])])
+    big = Eagle3Drafter(outs["eagle3"], window=64)
+    big.observe(toks, taps)
+    assert big.propose(toks[-1], 4, 4, 20) == full.propose(toks[-1], 4, 4, 20)
 
 
 def test_both_layouts_give_identical_graphs_and_outputs(plain):

@@ -47,3 +47,33 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
             rebuilt = commit_state_ref(state.gdn[i].recurrent, commit, path)
             want = hf.past_key_values.layers[i].recurrent_states[0][0].numpy()
             assert np.abs(rebuilt - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
+def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_tied):
+    """The export's CPU verify graph (cores per tree size under If): trees padded up to 2, 4, 8 and
+    the full size give transformers' logits on every real node's path, and the commit tensors
+    rebuild its recurrent state."""
+    engine = hybrid_npu.load(text_tied.out)
+    sizes = engine.manifest["graphs"]["cpu_verify"]["sizes"]
+    assert sizes[:3] == [2, 4, 8] and sizes[-1] == engine.manifest["graphs"]["verify"]["n"]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 300, 11)]
+    cfg = engine.config
+    rng = np.random.default_rng(2)
+    for real_parents, size in (([-1, 0], 2), ([-1, 0, 1], 4), (PARENTS, 16), ([-1, 0, 1, 2, 3, 4, 5], 8),
+                               (PARENTS, sizes[-1])):
+        engine.prefill_logits(prompt)
+        draft = [int(t) for t in rng.integers(0, 300, len(real_parents) - 1)]
+        tree, n_real = Tree.from_draft(int(rng.integers(0, 300)), draft, [p - 1 for p in real_parents[1:]], size)
+        assert len(tree.tokens) == size
+        out = engine.pipelines["verify"].run(tree_feed(cfg, engine.state, tree))
+        assert out["logits"].shape[0] == size
+        for m, path in enumerate(tree.paths()[:n_real]):
+            seq = prompt + [tree.tokens[j] for j in path]
+            with torch.no_grad():
+                hf = text_tied.ref(torch.tensor([seq]), use_cache=True)
+            assert np.abs(out["logits"][m] - hf.logits[0, -1].numpy()).max() <= 1e-4
+            for i in engine.state.gdn:
+                commit = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"])
+                rebuilt = commit_state_ref(engine.state.gdn[i].recurrent, commit, path)
+                want = hf.past_key_values.layers[i].recurrent_states[0][0].numpy()
+                assert np.abs(rebuilt - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

@@ -1,0 +1,180 @@
+"""When to speculate, and how deep: decided per step from what the rounds so far measured.
+
+Speculation pays only when a round's expected tokens per second beat plain decoding's. The policy
+keeps running estimates of
+  - the cost of a plain decode step, t_dec,
+  - the cost of a round: a fixed part (verify, commit, observe) per verify size and a draft cost
+    per level, and
+  - the per-token acceptance rate a of the drafter (a chain of depth d then emits
+    E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a) tokens, the bonus included).
+Each cost is the median of its last `window` measurements: robust to what a shared machine does
+(a call now and then several times slower) and to a session's slow first call, without the
+optimism of a running minimum. Measured on the embedded pair: a plain average let one slow first
+decode step hold speculation on for a whole reply; a fast-down/slow-up average (a near-minimum)
+rated the noisier rounds too cheap and speculated where plain decoding was faster.
+For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best depth, or a plain
+step when no depth wins. The acceptance estimate is the geometric one with censoring: a round of
+depth d that accepted A drafts saw A successes and, when A < d, one failure.
+
+A cost is kept only when the step before was of the same kind: the first plain step after rounds
+(and the first round after plain steps) runs with the other session's weights in the caches and
+costs more than in a run of its kind; kept, it made plain decoding look slower than it is and
+the policy speculated where plain was faster (measured, embedded pair after 500 tokens: 0.61x).
+So the first rounds and a refresh of t_dec are two steps, the second one measured.
+
+Plain steps teach the policy nothing about acceptance, so while decoding plainly it probes: one
+round after `probe_every` plain steps, the interval doubling (up to `max_probe_every`) each time
+the probe loses and reset when speculation wins again. While speculating, a plain step after 2,
+then 4, 8, ... up to `refresh_every` rounds keeps t_dec current (soon at first: one early
+measurement is not yet to be trusted). The output never depends on these choices: a plain
+step and a verified round both emit the target's own tokens (greedy) or its own distribution
+(sampled, each decided before the step from the past only).
+
+The policy sees only numbers it is given (record_plain, record_round), never a clock, so its
+decisions are deterministic given the costs (tests feed fake ones).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+
+@dataclass
+class SpecPolicy:
+    max_depth: int
+    verify_nodes: object = None          # depth -> verify graph size (static N: always the same)
+    window: int = 8                       # measurements each cost's median is taken over
+    keep: float = 0.875                   # per round, how much of the old acceptance evidence stays
+    probe_every: int = 8
+    max_probe_every: int = 64
+    refresh_every: int = 16
+    margin: float = 1.0                   # speculate when its rate beats plain by this factor
+    hysteresis: float = 0.2               # ... and by (1 + this) more to switch from plain decoding
+    # the last measurements of each cost
+    _decode: deque = field(default_factory=deque)
+    _draft_level: deque = field(default_factory=deque)
+    _fixed: dict = field(default_factory=dict)    # verify size -> round costs besides the draft
+    successes: float = 0.0                        # decayed acceptance counts
+    failures: float = 0.0
+    # bookkeeping
+    _plain_run: int = 0
+    _spec_run: int = 0
+    _probe_interval: int = 0
+    _refresh_interval: int = 2
+    _last: str | None = None                      # kind of the step before: "plain" or "round"
+    _refreshing: bool = False
+    decisions: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent depths chosen (0 = plain)
+
+    def __post_init__(self):
+        if self.max_depth < 1:
+            raise ValueError("max_depth must be at least 1")
+        self._probe_interval = self.probe_every
+
+    # ------------------------------------------------------------ estimates
+    def _add(self, seen: deque, seconds: float) -> None:
+        seen.append(seconds)
+        while len(seen) > self.window:
+            seen.popleft()
+
+    @property
+    def decode_s(self) -> float | None:
+        return median(self._decode) if self._decode else None
+
+    @property
+    def draft_level_s(self) -> float | None:
+        return median(self._draft_level) if self._draft_level else None
+
+    @property
+    def fixed_s(self) -> dict:
+        return {n: median(seen) for n, seen in self._fixed.items()}
+
+    def acceptance(self) -> float:
+        """Per-token acceptance rate; 0.5 (no evidence either way) before any round."""
+        n = self.successes + self.failures
+        return 0.5 if n == 0 else self.successes / n
+
+    def expected_tokens(self, depth: int) -> float:
+        a = self.acceptance()
+        return depth + 1.0 if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+
+    def _nodes(self, depth: int) -> int:
+        return self.verify_nodes(depth) if callable(self.verify_nodes) else 0
+
+    def round_cost(self, depth: int) -> float | None:
+        if self.draft_level_s is None or not self._fixed:
+            return None
+        n, fixed_s = self._nodes(depth), self.fixed_s
+        # an unmeasured verify size: charged as the nearest measured size at or above it (a larger
+        # graph costs more), else as the largest measured one
+        known = sorted(fixed_s)
+        above = [k for k in known if k >= n]
+        fixed = fixed_s[above[0]] if above else fixed_s[known[-1]]
+        return fixed + depth * self.draft_level_s
+
+    def best_depth(self) -> tuple[int, float]:
+        """(depth, tokens per second) of the best round by the estimates; (0, 0) if unknown."""
+        best = (0, 0.0)
+        for d in range(1, self.max_depth + 1):
+            c = self.round_cost(d)
+            if c is None:
+                return 0, 0.0
+            rate = self.expected_tokens(d) / max(c, 1e-12)
+            if rate > best[1]:
+                best = (d, rate)
+        return best
+
+    # ------------------------------------------------------------ decisions
+    def choose(self) -> int:
+        """Depth of the next step's draft; 0 = a plain decode step."""
+        d = self._choose()
+        self.decisions.append(d)
+        return d
+
+    def plan(self) -> int:
+        """The depth the estimates favour now, 0 when a plain step beats every round (or unknown)."""
+        if self.decode_s is None:
+            return 0
+        depth, rate = self.best_depth()
+        # switching costs what neither estimate holds (the caches refill with the other session's
+        # weights): measured, plain steps between rounds ran ~2x a plain step in a run of them
+        need = self.margin * (1 + self.hysteresis if self._last == "plain" else 1)
+        return depth if depth > 0 and rate * self.decode_s > need else 0
+
+    def _choose(self) -> int:
+        if self.draft_level_s is None:  # measure a round (the second of a run is the one kept)
+            return self.max_depth
+        if self.decode_s is None or self._refreshing:  # ... then a plain step, likewise
+            self._refreshing = self._refreshing and self._last != "plain"
+            return 0
+        depth = self.plan()
+        if depth:
+            self._probe_interval = self.probe_every
+            if self._spec_run >= self._refresh_interval:
+                self._refresh_interval = min(2 * self._refresh_interval, self.refresh_every)
+                self._refreshing = True
+                return 0
+            return depth
+        if self._plain_run >= self._probe_interval:
+            self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+            return self.best_depth()[0] or self.max_depth
+        return 0
+
+    def record_plain(self, seconds: float) -> None:
+        if self._last == "plain":
+            self._add(self._decode, seconds)
+        self._last = "plain"
+        self._plain_run += 1
+        self._spec_run = 0
+
+    def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float) -> None:
+        """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
+        (verify, commit, drafter observe)."""
+        if self._last == "round":
+            self._add(self._draft_level, draft_s / max(depth, 1))
+            self._add(self._fixed.setdefault(self._nodes(depth), deque()), rest_s)
+        self._last = "round"
+        self.successes = self.keep * self.successes + min(accepted, depth)
+        self.failures = self.keep * self.failures + (accepted < depth)
+        self._spec_run += 1
+        self._plain_run = 0

@@ -1,0 +1,125 @@
+"""What verifying k draft nodes costs against one decode step, on the real Qwen3.5 config (random
+weights), through the CPU verify graph sized to the draft (graphs/cpu_verify.onnx); then the
+modelled speed-up of chain speculation for drafters of acceptance rate a.
+
+k = 1 is the decode step itself (a round that drafts nothing is a plain step); k = 2, 4, 8, 16 are
+chain trees of k nodes at the same context. Decode steps and verify calls alternate, repeat by
+repeat (the machine is shared), each keeping its best time.
+
+Modelled (not measured): a chain of d drafts, each accepted with probability a, emits
+E(d) = (1 - a^(d+1)) / (1 - a) tokens per round and costs verify(size holding d + 1 nodes) +
+d x draft; speed-up = max over d of E(d) / (round cost / decode step). The draft cost per level
+is an assumption (--draft-fraction of a decode step; an EAGLE-3 drafter is one layer and a head).
+
+--model embedded-shape: the embedded default model's shape (8 layers, hidden 256, vocab 4096),
+random weights: what the sized verify would cost there (the shipped export has only the static
+16-node verify). --clock thread (with --threads 1): the calling thread's CPU time, where ONNX
+Runtime runs every op at one thread (work, not waits for cores on a shared machine).
+
+    python scripts/bench_verify_sizes.py [--model 0.8B] [--weights int4] [--contexts 512] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_checkpoint import make_random_checkpoint  # noqa: E402
+
+# the embedded default model's shape (src/hybrid_npu/models/default/model.json), on the 0.8B base
+EMBEDDED_SHAPE = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                      linear_value_head_dim=64, intermediate_size=768, vocab_size=4096,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+
+
+def modelled_speedup(costs: dict[int, float], decode: float, a: float, draft_fraction: float) -> dict:
+    """costs: verify size -> seconds. Best chain depth d (d + 1 nodes padded up to a size)."""
+    best = {"speedup": 0.0}
+    for d in range(1, max(costs)):
+        size = min((m for m in costs if m >= d + 1), default=None)
+        if size is None:
+            continue
+        tokens = (1 - a ** (d + 1)) / (1 - a)
+        cost = costs[size] + d * draft_fraction * decode
+        s = tokens / (cost / decode)
+        if s > best["speedup"]:
+            best = {"speedup": round(s, 2), "depth": d, "verify_size": size, "tokens_per_round": round(tokens, 2)}
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="0.8B")
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_verify_sizes"))
+    ap.add_argument("--contexts", default="512")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-fraction", type=float, default=0.1)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    import hybrid_npu
+    from hybrid_npu.export.exporter import export
+    from hybrid_npu.runtime.speculative import Tree, tree_feed
+    from hybrid_npu.runtime.step_inputs import chain_feed
+
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    if args.clock == "thread" and args.threads != 1:
+        print("bench_verify_sizes: --clock thread needs --threads 1", file=sys.stderr)
+        return 2
+    if args.model == "embedded-shape":
+        src = make_random_checkpoint("0.8B", args.workdir / "embedded-shape-random", **EMBEDDED_SHAPE)
+    else:
+        src = make_random_checkpoint(args.model, args.workdir / f"qwen35-{args.model}-random")
+    out = args.workdir / f"export-{args.model}-{args.weights}"
+    t0 = time.perf_counter()
+    export(src, out, chunk=128, force=True, weights=None if args.weights == "float" else args.weights)
+    print(f"exported in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    engine = hybrid_npu.load(out, threads=args.threads)
+    cfg = engine.config
+    rng = np.random.default_rng(0)
+    sizes = [m for m in engine.manifest["graphs"]["cpu_verify"]["sizes"] if m <= 16]
+    trees = {m: Tree([int(t) for t in rng.integers(0, cfg.vocab_size, m)], [-1] + list(range(m - 1))) for m in sizes}
+    verify = engine.pipelines["verify"]
+    result = {"machine": platform.machine(), "model": f"Qwen3.5-{args.model} config, random weights",
+              "weights": args.weights, "threads": args.threads, "clock": args.clock, "repeats": args.repeats,
+              "note": "machine shared with other jobs; calls interleaved, best of repeats", "contexts": []}
+    for context in [int(c) for c in args.contexts.split(",")]:
+        engine.prefill_logits([int(t) for t in rng.integers(0, cfg.vocab_size, max(context, 1))])
+        verify.run(tree_feed(cfg, engine.state, trees[sizes[0]]))  # opens and warms the session
+        best = {m: 1e9 for m in [1] + sizes}
+        for _ in range(args.repeats):
+            t = clock()
+            engine.pipelines["decode"].run(chain_feed(cfg, engine.state, [5], 1))
+            best[1] = min(best[1], clock() - t)
+            for m in sizes:
+                t = clock()
+                verify.run(tree_feed(cfg, engine.state, trees[m]))
+                best[m] = min(best[m], clock() - t)
+        decode = best[1]
+        costs = {m: best[m] for m in sizes}
+        row = {"context": context, "ms": {str(k): round(1e3 * v, 2) for k, v in best.items()},
+               "over_decode": {str(k): round(v / decode, 2) for k, v in best.items()},
+               "modelled": {"draft_fraction_of_decode": args.draft_fraction,
+                            **{f"a={a}": modelled_speedup(costs, decode, a, args.draft_fraction)
+                               for a in (0.6, 0.7, 0.8)}}}
+        result["contexts"].append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

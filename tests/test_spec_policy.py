@@ -1,0 +1,178 @@
+"""The speculation policy (runtime/spec_policy.py): decisions from injected costs, never a clock, and
+the engine's output stays the target's whatever it decides."""
+import numpy as np
+import pytest
+from conftest import CHUNK
+
+import drafter_fixtures
+import hybrid_npu
+from hybrid_npu.export.exporter import export
+from hybrid_npu.runtime.spec_policy import SpecPolicy
+
+MS = 1e-3
+
+
+def drive(policy, steps, decode_s, draft_level_s, fixed_s, accept):
+    """Run the policy's loop with fake timings; accept(depth, k) = drafts accepted in the k-th round."""
+    rounds = plains = 0
+    for _ in range(steps):
+        d = policy.choose()
+        if d:
+            policy.record_round(d, accept(d, rounds), d * draft_level_s, fixed_s)
+            rounds += 1
+        else:
+            policy.record_plain(decode_s(plains) if callable(decode_s) else decode_s)
+            plains += 1
+    return list(policy.decisions)
+
+
+def runs(decisions):
+    """[(kind, length)] of consecutive plain steps ("p") and rounds ("r")."""
+    out = []
+    for d in decisions:
+        kind = "r" if d else "p"
+        if out and out[-1][0] == kind:
+            out[-1][1] += 1
+        else:
+            out.append([kind, 1])
+    return [tuple(r) for r in out]
+
+
+def test_a_drafter_that_is_always_right_speculates_at_full_depth():
+    p = SpecPolicy(6, refresh_every=16)
+    dec = drive(p, 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    # two rounds and two plain steps to measure both (the second of each kept), then rounds with
+    # two plain steps after 2, 4, 8, then every 16 rounds
+    assert set(dec) == {0, 6}
+    assert runs(dec)[:11] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4), ("p", 2), ("r", 8), ("p", 2),
+                              ("r", 16), ("p", 2), ("r", 16)]
+    assert drive(SpecPolicy(6, refresh_every=16), 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d) == dec
+
+
+def test_a_drafter_that_is_never_right_falls_back_and_probes_less_and_less():
+    p = SpecPolicy(6, probe_every=8, max_probe_every=32)
+    dec = drive(p, 200, 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
+    probes = [i for i, d in enumerate(dec) if d][2:]  # after the two measuring rounds
+    gaps = np.diff([1] + probes) - 1  # plain steps before each probe
+    assert list(gaps[:4]) == [8, 16, 32, 32]
+    assert sum(1 for d in dec if d) <= 10  # of 200 steps
+
+
+def test_one_slow_first_decode_step_does_not_hold_speculation_on():
+    """The first kept decode step 5x slow, then 10 ms; a round costs 21 ms and accepts nothing
+    (1 token): plain must win once a third plain step is measured (the median of 50, 10, 10)."""
+    p = SpecPolicy(6, probe_every=8, max_probe_every=8)
+    dec = drive(p, 40, lambda k: 50 * MS if k <= 1 else 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
+    assert runs(dec)[:5] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4)]
+    assert runs(dec)[5:9] == [("p", 8), ("r", 1), ("p", 8), ("r", 1)]  # then plain, and probes only
+
+
+def test_a_cost_right_after_the_other_kind_of_step_is_not_kept():
+    """The first plain step after rounds (cold caches) is not what plain decoding costs."""
+    p = SpecPolicy(6)
+    p.record_round(6, 6, 6 * MS, 15 * MS)   # after nothing: not kept
+    assert p.draft_level_s is None
+    p.record_round(6, 6, 6 * MS, 15 * MS)
+    p.record_plain(40 * MS)                  # right after a round: not kept
+    assert p.decode_s is None
+    p.record_plain(10 * MS)
+    assert p.decode_s == pytest.approx(10 * MS) and p.round_cost(6) == pytest.approx(21 * MS)
+
+
+def expected_tokens(a, d):
+    """Tokens a chain of d drafts emits when each is accepted with probability a (bonus included):
+    sum over k = accepted drafts of P(k) (k + 1)."""
+    probs = [a ** k * (1 - a) for k in range(d)] + [a ** d]
+    return sum(p * (k + 1) for k, p in enumerate(probs))
+
+
+@pytest.mark.parametrize("fixed_ms,draft_ms,decode_ms", [(4, 2, 5), (4, 0.2, 5), (20, 1, 5), (3, 1, 8)])
+def test_it_picks_the_depth_with_the_best_rate_or_plain(fixed_ms, draft_ms, decode_ms):
+    """Acceptance 1/2 exactly (a depth-2 round accepting one draft): the chosen depth is the argmax of
+    expected tokens per second, computed here from the distribution of accepted drafts; plain when
+    no depth beats one token per decode step."""
+    p = SpecPolicy(6)
+    for _ in range(2):  # the second of each kind is the one kept
+        p.record_plain(decode_ms * MS)
+    for _ in range(2):
+        p.record_round(2, 1, 2 * draft_ms * MS, fixed_ms * MS)
+    assert p.acceptance() == pytest.approx(0.5)
+    rates = {d: expected_tokens(0.5, d) / ((fixed_ms + d * draft_ms) * MS) for d in range(1, 7)}
+    best = max(rates, key=rates.get)
+    want = best if rates[best] * decode_ms * MS > 1 else 0
+    assert p.plan() == want
+
+
+def test_verify_cost_is_kept_per_graph_size():
+    p = SpecPolicy(4, verify_nodes=lambda d: 4 if d <= 1 else 8)
+    p.record_round(1, 1, 1 * MS, 2 * MS)  # the first of a run: not kept
+    p.record_round(1, 1, 1 * MS, 2 * MS)
+    p.record_round(3, 3, 3 * MS, 9 * MS)
+    assert p.round_cost(1) == pytest.approx(p.draft_level_s + 2 * MS)
+    assert p.round_cost(4) == pytest.approx(4 * p.draft_level_s + 9 * MS)
+
+
+# ------------------------------------------------------------------------ the engine, switching
+class Scripted(SpecPolicy):
+    """Decisions from a fixed cycle (plain steps and rounds of several depths), whatever is measured."""
+
+    def __init__(self, cycle):
+        super().__init__(max(max(cycle), 1))
+        self.cycle, self.k = cycle, 0
+
+    def _choose(self):
+        self.k += 1
+        return self.cycle[(self.k - 1) % len(self.cycle)]
+
+
+CYCLE = [6, 0, 0, 3, 0, 6, 6, 1, 0, 0, 0, 2]
+
+
+@pytest.fixture(scope="module")
+def eagle3_export(text_tied, tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy")
+    weights = drafter_fixtures.drafter_weights(seed=1, hidden_size=48, embed=False)
+    src = drafter_fixtures.write_eagle3(root / "eagle3", weights, hidden_size=48)
+    export(text_tied.src, root / "export", chunk=CHUNK, drafter=src)
+    return root / "export"
+
+
+def test_switching_between_plain_steps_and_rounds_keeps_the_output_and_the_drafter(eagle3_export):
+    engine = hybrid_npu.load(eagle3_export)
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 300, CHUNK + 4)]
+    plain = engine.generate(prompt, 96, stop_at_eos=False, speculative=False)
+    engine.make_policy = lambda e: Scripted(CYCLE)
+    out = engine.generate(prompt, 96, stop_at_eos=False)
+    assert out == plain
+    s = engine.last_stats
+    assert s["rounds"] > 0 and s["plain_steps"] > 0
+    # the drafter saw every (taps, token) pair once, in order: its K/V equals an always-speculating run's
+    switched = (engine.drafter.length, engine.drafter.key[:, : engine.drafter.length].copy())
+    engine.adaptive = False
+    assert engine.generate(prompt, 96, stop_at_eos=False) == plain
+    assert engine.last_stats["plain_steps"] == 0
+    assert engine.drafter.length == switched[0]
+    ref = engine.drafter.key[:, : switched[0]]
+    assert np.abs(switched[1] - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())  # verify vs decode taps
+
+
+def test_plain_steps_inside_speculation_sample_as_plain_decoding(eagle3_export):
+    """A policy that never drafts after the first round samples with the same random draws as plain."""
+    engine = hybrid_npu.load(eagle3_export)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, 20)]
+    plain = engine.generate(prompt, 40, temperature=0.9, top_p=0.95, seed=7, stop_at_eos=False, speculative=False)
+    engine.make_policy = lambda e: Scripted([0])
+    assert engine.generate(prompt, 40, temperature=0.9, top_p=0.95, seed=7, stop_at_eos=False) == plain
+    assert engine.last_stats["rounds"] == 0
+
+
+def test_leaving_plain_decoding_needs_a_clear_win():
+    """Rounds at 1.11x plain's rate: kept on while speculating, not worth switching to from plain."""
+    p = SpecPolicy(3)
+    for _ in range(2):
+        p.record_round(1, 0, 1 * MS, 8 * MS)  # nothing accepted: 1 token per 9 ms
+    for _ in range(2):
+        p.record_plain(10 * MS)
+    assert p.plan() == 0
+    p.record_round(1, 0, 1 * MS, 8 * MS)
+    assert p.plan() == 1

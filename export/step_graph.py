@@ -334,7 +334,7 @@ class _Builder:
         return gated, new_k, new_v
 
     def head(self, x: str) -> None:
-        c, g, n = self.cfg, self.g, self.n
+        c, g = self.cfg, self.g
         if not self.spec.all_logits:
             x = g.op("Gather", x, g.input("last_index", np.int64, [1]), axis=0)
         h = self.norm1p(x, "norm.weight", c.hidden_size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM
+from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.runtime.qnn import NpuUnavailable, qnn_devices, qnn_version
 
 from .npu_check import compile_on_npu

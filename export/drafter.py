@@ -40,6 +40,7 @@ import onnx
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MASK_DIM, PAST_DIM
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.rope import emit_partial_rope
 
@@ -49,12 +50,11 @@ from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
 
 EAGLE3, SPECULATORS = "eagle3", "speculators"
-FORMAT = "hybrid-npu-drafter/1"
-MANIFEST = "drafter.json"
+FORMAT, MANIFEST = DRAFTER_FORMAT, DRAFTER_MANIFEST
 WEIGHTS_FILE = "drafter_weights.bin"
 VOCAB_FILE = "vocab.safetensors"  # draft_to_target int64 [Vd]: target id of each draft id
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
-PAST, MASK_LEN, N, M = "past_len", "past_len_plus_n", "n", "m"
+PAST, MASK_LEN, N, M = PAST_DIM, MASK_DIM, "n", "m"
 L = "midlayer."  # canonical layer prefix
 
 

@@ -20,6 +20,7 @@ import onnx
 from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import DRAFTER_DIR
 
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.npu_sessions import NPU_GRAPHS
@@ -41,7 +42,6 @@ WEIGHTS_FILE = "weights.bin"
 DEFAULT_CHUNK = 128
 DEFAULT_VERIFY = 32
 MAX_CHUNK = 4096  # the prefill graph's scores are [C, T + C] per head: 4096 is far past any NPU's sweet spot
-DRAFTER_DIR = "drafter"
 
 
 def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:

@@ -1,14 +1,12 @@
 """model.json: everything the runtime needs to know about an export, and nothing it must guess."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import onnx
 
-FORMAT = "hybrid-npu/1"
-MANIFEST = "model.json"
+from hybrid_npu.format import FORMAT, MANIFEST
 
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
            onnx.TensorProto.INT32: "int32"}
@@ -29,6 +27,3 @@ def is_export(path: Path) -> bool:
     except (OSError, ValueError):
         return False
 
-
-def manifest_hash(path: Path) -> str:
-    return hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
+from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.kernels.attention import emit_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select, emit_short_conv, emit_short_conv_step_cpu
 from hybrid_npu.kernels.delta_rule import emit_gated_delta, emit_gated_delta_step
@@ -37,8 +38,7 @@ from hybrid_npu.kernels.rope import emit_partial_rope
 from .quantize import plan_quantized_linear
 from .weights import WeightPlan
 
-PAST = "past_len"
-MASK_LEN = "past_len_plus_n"
+PAST, MASK_LEN = PAST_DIM, MASK_DIM
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hybrid_npu.cli_common import OneLineParser, stdout_closed
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import MANIFEST
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
 
@@ -79,7 +80,7 @@ def render_only(a, tools) -> str:
     from .chat_template import ChatTemplate
 
     path = Path(a.model) if a.model else hybrid_npu.default_model()
-    if not (path / "model.json").is_file():
+    if not (path / MANIFEST).is_file():
         raise UserError(f"{path} is not a hybrid-npu export (no model.json); give an export-hybrid output directory")
     template = ChatTemplate.from_export(path)
     if a.think is not None and not template.has_thinking_switch:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hybrid_npu.chat_files import chat_template, read_json
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import MANIFEST
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -72,7 +73,7 @@ class ChatTemplate:
         the export's own files by that precedence (exports made before the manifest recorded it)."""
         path = Path(path)
         tok_cfg = read_json(path / "tokenizer_config.json", "tokenizer_config.json") or {}
-        manifest = json.loads((path / "model.json").read_text(encoding="utf-8"))
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         tokenizer = manifest.get("tokenizer") or {}
         source = tokenizer.get("chat_template")
         source = source if isinstance(source, str) else chat_template(path)[0]

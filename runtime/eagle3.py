@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.export.drafter import FORMAT, MANIFEST
+from hybrid_npu.format import DRAFTER_FORMAT as FORMAT, DRAFTER_MANIFEST as MANIFEST
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.rope import rope_tables
 

@@ -6,7 +6,6 @@ on the CPU; a speculative round runs the tree-verify graph. All read and write o
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 
 from hybrid_npu.chat_files import sampling_defaults
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import DRAFTER_DIR, DRAFTER_MANIFEST, MANIFEST, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 
@@ -31,14 +31,8 @@ from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
-MANIFEST = "model.json"
 PREFILL_MODES = ("auto", "npu", "cpu")
 CPU_DEVICE = "CPU"
-
-
-def manifest_hash(path: Path) -> str:
-    """Identifies the exported model a state belongs to."""
-    return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
 
 
 class LazyPipelines(dict):
@@ -151,14 +145,14 @@ class Engine:
         """drafter: None (the export's own drafter/, if any), an exported drafter directory, or any
         object with reset/observe/propose."""
         if drafter is None:
-            own = self.path / "drafter"
-            drafter = own if (own / "drafter.json").exists() else None
+            own = self.path / DRAFTER_DIR
+            drafter = own if (own / DRAFTER_MANIFEST).exists() else None
         if drafter is None or not isinstance(drafter, (str, Path)):
             return drafter
         from .eagle3 import Eagle3Drafter
 
         d = Path(drafter)
-        if not (d / "drafter.json").exists():
+        if not (d / DRAFTER_MANIFEST).exists():
             raise UserError(f"{d} is not an exported drafter; add it to the model with: "
                             f"export-hybrid SOURCE {self.path} --drafter {d}")
         try:

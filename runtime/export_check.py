@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.export.manifest import FORMAT, MANIFEST
+from hybrid_npu.format import FORMAT, MANIFEST
 
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed

@@ -8,10 +8,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from hybrid_npu.format import MASK_DIM, PAST_DIM
+
 from .pipeline import Pipeline
 from .qnn import NpuUnavailable, qnn_session, qnn_session_options, qnn_version
 
-PAST_DIM, MASK_DIM = "past_len", "past_len_plus_n"  # the step graphs' only free dimensions
 NPU_DEVICE = "QNN/HTP"
 
 

@@ -1,0 +1,19 @@
+"""The export format's names, in one place both sides import: what export-hybrid writes and the
+runtime reads. The runtime never imports export/ (a laptop that only runs models needs none of it)."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+FORMAT = "hybrid-npu/1"               # model.json's "format"
+MANIFEST = "model.json"               # the export's manifest, at its root
+DRAFTER_DIR = "drafter"               # an export's own drafter, beside graphs/
+DRAFTER_FORMAT = "hybrid-npu-drafter/1"
+DRAFTER_MANIFEST = "drafter.json"
+PAST_DIM = "past_len"                 # the step graphs' free dimensions: K/V rows already in the context,
+MASK_DIM = "past_len_plus_n"          # and the attention mask's width (those rows + the N new ones)
+
+
+def manifest_hash(path) -> str:
+    """sha256 of an export's model.json: identifies the exported model a state belongs to."""
+    return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()

@@ -312,3 +312,34 @@ def test_tools_with_the_release_template(release):
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         s.stop()
+
+
+def test_beyond_loopback_without_a_key_warns_and_a_taken_port_is_one_line(capsys):
+    from hybrid_npu.runtime.serve_cli import main as serve_main
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_main(["--host", "0.0.0.0", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "without --api-key" in err[0] and f"cannot listen on 0.0.0.0:{port}" in err[1] and len(err) == 2
+    assert serve_main(["--port", "0"]) == 2 and "--port 0" in capsys.readouterr().err
+
+
+def test_cors_only_for_the_origin_given():
+    s = Server("--cors-origin", "http://app.local")
+    try:
+        def preflight(origin):
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+            conn.request("OPTIONS", "/v1/chat/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST"})
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            return r.getheader("access-control-allow-origin")
+
+        assert preflight("http://app.local") == "http://app.local"
+        assert preflight("http://evil.example") is None
+    finally:
+        s.stop()

@@ -104,3 +104,12 @@ def release(tmp_path_factory):
     ref = write_real_vocab_checkpoint(root / "hf", root / "tok-cache", seed=11)
     export(root / "hf", root / "export", chunk=CHUNK)
     return Release(root / "hf", root / "export", ref, root / "tok-cache")
+
+
+def assert_speculation_accounts_for(stats: dict, n_tokens: int) -> None:
+    """A speculative generation's stats add up: the first token comes from the prefill, each plain
+    step gives one, each round gives its accepted drafts + one, so acceptance length x rounds is
+    what the rounds emitted (independent counts: a wrong acceptance figure fails this)."""
+    assert stats["rounds"] >= 1, stats
+    emitted_by_rounds = n_tokens - 1 - stats.get("plain_steps", 0)
+    assert abs(stats["acceptance_length"] * stats["rounds"] - emitted_by_rounds) < 1e-6, stats

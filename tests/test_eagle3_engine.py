@@ -1,7 +1,7 @@
 """An EAGLE-3 drafter exported beside the target: export-hybrid --drafter, load() picks it up,
 speculation is on by default and lossless."""
 import numpy as np
-from conftest import CHUNK
+from conftest import CHUNK, assert_speculation_accounts_for
 
 import drafter_fixtures
 import hybrid_npu
@@ -21,6 +21,7 @@ def test_exported_eagle3_drafter_speculates_losslessly(text_tied, tmp_path):
     spec = engine.generate(prompt, 96, stop_at_eos=False)  # speculative by default with a drafter
     assert spec == plain
     stats = engine.last_stats
-    assert stats["rounds"] > 0 and stats["acceptance_length"] >= 1.0 and stats["draft_s"] > 0
+    assert stats["draft_s"] > 0
+    assert_speculation_accounts_for(stats, len(spec))
     sampled = engine.generate(prompt, 24, temperature=0.8, top_p=0.95, seed=3, stop_at_eos=False)
     assert len(sampled) == 24

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser, stdout_closed
+from hybrid_npu.cli_common import OneLineParser, report, stdout_closed
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
 
@@ -123,8 +123,7 @@ def main(argv=None) -> int:
                          f"{sampling_note(engine, sampling)}); /help for commands, Ctrl-D to leave"), flush=True)
         return Repl(conv, sampling).run()
     except UserError as e:
-        print(f"npu-chat: {e}", file=sys.stderr)
-        return e.exit_code
+        return report("npu-chat", e)
     except BrokenPipeError:  # stdout closed early: `... | head`
         return stdout_closed()
     except KeyboardInterrupt:  # Ctrl-C while loading or during a one-shot reply

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 
+from hybrid_npu.cli_common import report
 from hybrid_npu.errors import UserError
 
 from .conversation import Conversation, Reply, Sampling
@@ -163,7 +164,7 @@ class Repl:
                 if self.handle(line.strip()) == "exit":
                     return 0
             except UserError as e:
-                print(f"npu-chat: {e}", file=sys.stderr, flush=True)
+                report("npu-chat", e)
             except KeyboardInterrupt:  # Ctrl-C while no reply was running (a command, a save)
                 self.say()
             except BrokenPipeError:  # stdout is gone: nothing more can be shown (npu-chat exits quietly)

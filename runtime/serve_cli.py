@@ -11,7 +11,7 @@ import ipaddress
 import socket
 import sys
 
-from hybrid_npu.cli_common import OneLineParser, byte_size
+from hybrid_npu.cli_common import OneLineParser, byte_size, report
 from hybrid_npu.errors import UserError
 
 from .engine import PREFILL_MODES
@@ -95,8 +95,7 @@ def main(argv=None) -> int:
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)
         return 0
     except UserError as e:
-        print(f"npu-serve: {e}", file=sys.stderr)
-        return e.exit_code
+        return report("npu-serve", e)
     except KeyboardInterrupt:
         return 130
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from hybrid_npu.cli_common import OneLineParser, human_bytes, stdout_closed
+from hybrid_npu.cli_common import OneLineParser, human_bytes, report, stdout_closed
 from hybrid_npu.errors import UserError
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
@@ -181,8 +181,7 @@ def main(argv=None) -> int:
         print(stats_line(result["stats"]), file=sys.stderr)
         return 0
     except UserError as e:
-        print(f"npu-summarize: {e}", file=sys.stderr)
-        return e.exit_code
+        return report("npu-summarize", e)
     except BrokenPipeError:  # stdout closed early: `... | head`
         return stdout_closed()
     except KeyboardInterrupt:

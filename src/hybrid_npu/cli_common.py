@@ -15,6 +15,12 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def report(prog: str, error) -> int:
+    """A refused input or fault, as every CLI says it: one line 'PROG: error: ...'; its exit code."""
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    return getattr(error, "exit_code", 2)
+
+
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 

@@ -30,7 +30,6 @@ features; `logit_rows` keeps a long observe from paying Vd·h per token for logi
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -41,7 +40,9 @@ import onnx
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MASK_DIM, PAST_DIM
+from hybrid_npu.kernels.attention import emit_dynamic_gqa
 from hybrid_npu.kernels.graph import GraphBuilder
+from hybrid_npu.kernels.norms import emit_rmsnorm
 from hybrid_npu.kernels.rope import emit_partial_rope
 
 from .checkpoint import PICKLE_SUFFIXES, read_config_json
@@ -285,37 +286,6 @@ def _draft_to_target(cfg: DrafterConfig, shapes: dict, loaders: dict) -> np.ndar
 
 
 # ---------------------------------------------------------------------------------------- graphs
-def emit_rmsnorm(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
-    """Llama RMSNorm x̂·w (plain weight, not Qwen3.5's (1+w)); same ops as kernels/norms."""
-    mean_sq = g.op("ReduceMean", g.op("Mul", x, x), g.ints([-1]), keepdims=1)
-    return g.op("Mul", g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_sq, g.const(eps))))), weight)
-
-
-def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def emit_dynamic_gqa(g: GraphBuilder, q: str, past_k: str, past_v: str, new_k: str, new_v: str, mask: str,
-                     *, nh: int, nkv: int, hd: int) -> str:
-    """kernels/attention.emit_gqa_attention with N dynamic (it slices at the constant -N): q [N, nH, hd],
-    past [nKV, P, hd], new [nKV, N, hd], mask [N, P+N] -> [N, nH·hd]. Past and new are never concatenated;
-    the probabilities split back at P = Shape(past_k)[1]."""
-    group = nh // nkv
-    qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, group, -1, hd])          # [nKV, g, N, hd]
-    qh = g.op("Mul", qh, g.const(1.0 / math.sqrt(hd)))
-    pk, nk = g.unsqueeze(past_k, [1]), g.unsqueeze(new_k, [1])              # [nKV, 1, T, hd]
-    scores = g.op("Concat", g.matmul(qh, g.transpose(pk, [0, 1, 3, 2])),
-                  g.matmul(qh, g.transpose(nk, [0, 1, 3, 2])), axis=-1)      # [nKV, g, N, P+N]
-    probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
-    p = g.op("Shape", past_k, start=1, end=2)
-    big = g.ints([np.iinfo(np.int64).max])
-    p_past = g.op("Slice", probs, g.ints([0]), p, g.ints([3]))
-    p_new = g.op("Slice", probs, p, big, g.ints([3]))
-    out = g.op("Add", g.matmul(p_past, g.unsqueeze(past_v, [1])), g.matmul(p_new, g.unsqueeze(new_v, [1])))
-    out = g.transpose(g.reshape(out, [nh, -1, hd]), [1, 0, 2])              # [N, nH, hd]
-    return g.reshape(out, [-1, nh * hd])
-
-
 class _Graphs:
     def __init__(self, ck: DrafterCheckpoint, plan: WeightPlan):
         self.ck, self.cfg, self.plan = ck, ck.config, plan

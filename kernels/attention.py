@@ -47,3 +47,24 @@ def emit_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_values: str
     p_new = g.op("Slice", probs, g.ints([-n]), g.ints([big]), g.ints([2]))
     out = g.op("Add", g.matmul(p_past, past_values), g.matmul(p_new, new_values))
     return g.transpose(g.reshape(out, [nh, n, hd]), [1, 0, 2])
+
+
+def emit_dynamic_gqa(g: GraphBuilder, q: str, past_k: str, past_v: str, new_k: str, new_v: str, mask: str,
+                     *, nh: int, nkv: int, hd: int) -> str:
+    """kernels/attention.emit_gqa_attention with N dynamic (it slices at the constant -N): q [N, nH, hd],
+    past [nKV, P, hd], new [nKV, N, hd], mask [N, P+N] -> [N, nH·hd]. Past and new are never concatenated;
+    the probabilities split back at P = Shape(past_k)[1]."""
+    group = nh // nkv
+    qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, group, -1, hd])          # [nKV, g, N, hd]
+    qh = g.op("Mul", qh, g.const(1.0 / math.sqrt(hd)))
+    pk, nk = g.unsqueeze(past_k, [1]), g.unsqueeze(new_k, [1])              # [nKV, 1, T, hd]
+    scores = g.op("Concat", g.matmul(qh, g.transpose(pk, [0, 1, 3, 2])),
+                  g.matmul(qh, g.transpose(nk, [0, 1, 3, 2])), axis=-1)      # [nKV, g, N, P+N]
+    probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
+    p = g.op("Shape", past_k, start=1, end=2)
+    big = g.ints([np.iinfo(np.int64).max])
+    p_past = g.op("Slice", probs, g.ints([0]), p, g.ints([3]))
+    p_new = g.op("Slice", probs, p, big, g.ints([3]))
+    out = g.op("Add", g.matmul(p_past, g.unsqueeze(past_v, [1])), g.matmul(p_new, g.unsqueeze(new_v, [1])))
+    out = g.transpose(g.reshape(out, [nh, -1, hd]), [1, 0, 2])              # [N, nH, hd]
+    return g.reshape(out, [-1, nh * hd])

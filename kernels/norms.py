@@ -77,6 +77,17 @@ def emit_gated_rmsnorm(g: GraphBuilder, o: str, z: str, weight: str, eps: float,
     return g.op("Mul", g.op("Mul", _emit_normalize(g, o, eps, eps_scale), weight), g.silu(z))
 
 
+def emit_rmsnorm(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
+    """Llama RMSNorm x̂·w (plain weight, not Qwen3.5's (1+w)), for the EAGLE-3 drafter: it runs on
+    the CPU in fp32, so the plain square (no fp16 prescale)."""
+    mean_sq = g.op("ReduceMean", g.op("Mul", x, x), g.ints([-1]), keepdims=1)
+    return g.op("Mul", g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_sq, g.const(eps))))), weight)
+
+
+def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return _normalize(x, eps) * w
+
+
 # ---------------------------------------------------------------- ONNX Runtime CPU kernels
 
 def emit_rmsnorm_1p_cpu(g: GraphBuilder, x: str, weight: str, eps: float) -> str:

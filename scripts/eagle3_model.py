@@ -52,7 +52,7 @@ def shape_for_target(cfg, draft_vocab: int, n_taps: int = 3) -> DraftShape:
 
 
 class RMSNorm(nn.Module):
-    """Llama's x̂·w (not Qwen3.5's zero-centred (1+w)); what export/drafter.emit_rmsnorm computes."""
+    """Llama's x̂·w (not Qwen3.5's zero-centred (1+w)); what kernels/norms.emit_rmsnorm computes."""
 
     def __init__(self, n: int, eps: float):
         super().__init__()

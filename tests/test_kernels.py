@@ -404,3 +404,21 @@ def test_prescaled_norm_is_the_definition_on_massive_and_tiny_rows():
     g.output(norms.emit_rmsnorm_1p(g, g.input("x", np.float32, [6, 48]), g.const(w), 1e-6), "a", np.float32, [6, 48])
     (a,) = run_graph(g, {"x": x})
     np.testing.assert_allclose(a, want, atol=1e-5)
+
+
+def test_plain_rmsnorm_numpy_vs_transformers_vs_onnx():
+    """The drafter's Llama RMSNorm (x̂·w): numpy, transformers' LlamaRMSNorm and the ONNX graph."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = (np.random.default_rng(5).standard_normal((7, 32)) * 3).astype(np.float32)
+    w = np.random.default_rng(6).standard_normal(32).astype(np.float32)
+    ref = LlamaRMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(w))
+        want = ref(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(norms.rmsnorm_ref(x, w, 1e-5), want, atol=1e-5)
+    g = GraphBuilder("rms")
+    xi, wi = g.input("x", np.float32, [7, 32]), g.input("w", np.float32, [32])
+    g.output(norms.emit_rmsnorm(g, xi, wi, 1e-5), "y", np.float32, [7, 32])
+    (y,) = run_graph(g, {"x": x, "w": w})
+    np.testing.assert_allclose(y, want, atol=1e-5)

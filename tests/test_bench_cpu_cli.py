@@ -1,5 +1,6 @@
 """bench_cpu.py's llama.cpp side: a missing llama-bench or GGUF is one line and exit 2, before any
-export starts; llama-bench's JSON rows map to prefill / decode (its documented -o json fields)."""
+export starts; llama-bench's JSON rows map to prefill / decode (its documented -o json fields).
+ab_cpu.py's arm options parse, and a bad one is refused."""
 import json
 import subprocess
 import sys
@@ -34,7 +35,23 @@ def test_missing_gguf_is_one_line(tmp_path):
 def test_llama_bench_rows():
     from bench_cpu import llama_bench_rows
 
-    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 88.512, "stddev_ts": 1.234},
-            {"n_prompt": 0, "n_gen": 32, "avg_ts": 9.681, "stddev_ts": 0.05}]
-    assert llama_bench_rows(json.dumps(rows)) == {"prefill_tokens_per_s": 88.51, "prefill_stdev": 1.23,
-                                                   "decode_tokens_per_s": 9.68, "decode_stdev": 0.05}
+    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 88.512, "stddev_ts": 1.234, "samples_ts": [87.0, 90.004]},
+            {"n_prompt": 0, "n_gen": 32, "avg_ts": 9.681, "stddev_ts": 0.05}]  # older builds: no samples
+    assert llama_bench_rows(json.dumps(rows)) == {
+        "prefill_tokens_per_s": 90.0, "prefill_avg": 88.51, "prefill_stdev": 1.23,
+        "decode_tokens_per_s": 9.68, "decode_avg": 9.68, "decode_stdev": 0.05}
+
+
+def test_ab_arm_options():
+    from ab_cpu import parse_arm
+
+    path, opts = parse_arm("/x/int4,opt=extended,intra=1,session.intra_op.allow_spinning=0")
+    assert path == Path("/x/int4")
+    assert opts == {"opt": "extended", "intra": "1", "session.intra_op.allow_spinning": "0"}
+    for bad in ("/x,opt=fast", "/x,intra=two", "/x,nokey"):
+        try:
+            parse_arm(bad)
+        except ValueError as e:
+            assert "bad option" in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")

@@ -7,11 +7,13 @@ memory is its own (prefill the best of 2 runs, decode of 3: runs here vary by up
 decode_session_gb is a session of decode.onnx alone (the engine runs decode, and on a CPU-only
 machine prefill too, in one session of the any-N cpu.onnx: after_load); matmul_only is what the
 same export's MatMulNBits nodes alone reach (scripts/matmul_ceiling.py: the most any graph
-around them could). Prints one JSON object; llama.cpp is added when a `llama-bench` binary and a
-GGUF are given.
+around them could). Prints one JSON object. With --gguf (the same checkpoint, scripts/make_gguf.py)
+llama.cpp's llama-bench runs first in the same run, same prompt / decoded tokens / threads; a
+missing llama-bench is one line and exit 2. --weights "" runs llama.cpp alone.
 
     python scripts/bench_cpu.py [--workdir DIR] [--threads 2] [--prefill 512] [--decode 32]
                                 [--weights float,int8,int4,int4-head4,int4-head4-b128] [--out FILE]
+                                [--gguf F16.gguf --gguf Q8_0.gguf ... [--llama-bench PATH]]
 """
 from __future__ import annotations
 
@@ -132,14 +134,57 @@ def bench_transformers(src: Path, threads: int, prompt: list[int], decode: int) 
             "decode_tokens_per_s": round(decode / decode_s, 2)}
 
 
-def bench_llama_cpp(gguf: Path | None, threads: int, prefill: int, decode: int) -> dict | None:
-    exe = shutil.which("llama-bench")
-    if not exe or not gguf:
-        return None
-    out = subprocess.run([exe, "-m", str(gguf), "-t", str(threads), "-p", str(prefill), "-n", str(decode), "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out)
-    return {r["n_prompt"] and "prefill_tokens_per_s" or "decode_tokens_per_s": r["avg_ts"] for r in rows}
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+
+
+def cpu_model() -> dict:
+    """The CPU by name and the SIMD flags that decide these kernels' speed (Linux: /proc/cpuinfo,
+    what lscpu prints; elsewhere platform.processor())."""
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        return {"model_name": platform.processor() or platform.machine(), "flags": []}
+    text = info.read_text()
+    name = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    present = set(flags.group(1).split()) if flags else set()
+    family, model = (re.search(rf"^{k}\s*:\s*(\d+)$", text, re.M) for k in ("cpu family", "model"))
+    return {"model_name": name.group(1).strip() if name else platform.machine(),
+            "family_model": [int(m.group(1)) for m in (family, model) if m],  # a VM may hide the name, not these
+            "flags": [f for f in SIMD_FLAGS if f in present]}
+
+
+def find_llama_bench(given: Path | None) -> Path | None:
+    if given is not None:
+        return given if given.is_file() else None
+    found = shutil.which("llama-bench")
+    return Path(found) if found else None
+
+
+def llama_bench_rows(out: str) -> dict:
+    """llama-bench -o json rows -> prefill / decode tok/s (the prompt test has n_gen 0, the
+    generation test n_prompt 0): the best repetition, as our rows take the best run (this VM's
+    slow spells last seconds), with llama-bench's own average and deviation beside it."""
+    result = {}
+    for r in json.loads(out):
+        part = "decode" if r["n_gen"] else "prefill"
+        result[f"{part}_tokens_per_s"] = round(max(r.get("samples_ts") or [r["avg_ts"]]), 2)
+        result[f"{part}_avg"] = round(r["avg_ts"], 2)
+        result[f"{part}_stdev"] = round(r.get("stddev_ts", 0.0), 2)
+    return result
+
+
+def bench_llama_cpp(exe: Path, gguf: Path, threads: int, prefill: int, decode: int, reps: int) -> dict:
+    """llama-bench on one GGUF: prompt `prefill` and `decode` generated tokens, `reps` repetitions."""
+    cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-p", str(prefill), "-n", str(decode),
+           "-r", str(reps), "-o", "json"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"llama-bench failed on {gguf.name}: {tail}")
+    rows = json.loads(run.stdout)
+    return {"gguf": gguf.name, "type": rows[0].get("model_type", ""), "build": rows[0].get("build_commit", ""),
+            "cpu_info": rows[0].get("cpu_info", ""), "gguf_gb": round(gguf.stat().st_size / 1e9, 3),
+            **llama_bench_rows(run.stdout)}
 
 
 def main() -> int:
@@ -149,26 +194,45 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--gguf", type=Path, help="the same checkpoint as GGUF, for llama-bench (optional)")
+    ap.add_argument("--gguf", type=Path, action="append", default=[],
+                    help="the same checkpoint as GGUF (scripts/make_gguf.py), run by llama-bench in the same run; "
+                         "repeat for F16 / Q8_0 / Q4_0")
+    ap.add_argument("--llama-bench", type=Path, help="the llama-bench binary (default: the one on PATH)")
+    ap.add_argument("--llama-reps", type=int, default=5, help="llama-bench repetitions (the best is reported, and its average)")
     ap.add_argument("--weights", default="float,int8,int4", help="comma-separated weight modes, one row each")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
-    for mode in args.weights.split(","):  # every mode checked before the first export starts
+    for mode in filter(None, args.weights.split(",")):  # every mode checked before the first export starts
         try:
             parse_mode(mode)
         except ValueError as e:
             ap.error(str(e))
+    llama_bench = None
+    if args.gguf:  # checked before any export: a missing binary should not cost an hour of ours first
+        llama_bench = find_llama_bench(args.llama_bench)
+        if llama_bench is None:
+            where = f"{args.llama_bench} not found" if args.llama_bench else "no llama-bench on PATH"
+            ap.error(f"--gguf needs llama.cpp's llama-bench: {where}; build it and put it on PATH or give --llama-bench")
+        for gguf in args.gguf:
+            if not gguf.is_file():
+                ap.error(f"GGUF {gguf} not found; make it with scripts/make_gguf.py")
 
     src = make_random_checkpoint("0.8B", args.workdir / "qwen35-0.8b-random")
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 200_000, args.prefill)]
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": psutil.cpu_count(),
+        "machine": {"cpu": cpu_model(), "cores": psutil.cpu_count(),
                     "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "threads": args.threads,
                     "load_average": [round(x, 1) for x in psutil.getloadavg()]},
         "model": "Qwen3.5-0.8B text config, random weights",
         "prefill_tokens": args.prefill, "decode_tokens": args.decode,
     }
-    for mode in args.weights.split(","):
+    for gguf in args.gguf:  # first: llama.cpp and ours then share this run's conditions
+        try:
+            row = bench_llama_cpp(llama_bench, gguf, args.threads, args.prefill, args.decode, args.llama_reps)
+        except RuntimeError as e:
+            ap.error(f"{e}; check the GGUF was made by scripts/make_gguf.py with the same llama.cpp build")
+        result.setdefault("llama_cpp", []).append(row)
+    for mode in filter(None, args.weights.split(",")):
         out = args.workdir / ("qwen35-0.8b-export" if mode == "float" else f"qwen35-0.8b-export-{mode}")
         row = "hybrid_npu_cpu" if mode == "float" else f"hybrid_npu_cpu_{mode}"
         result[row] = fresh_process(bench_ours, export_mode(src, out, mode), args.threads, prompt, args.decode)
@@ -181,7 +245,6 @@ def main() -> int:
         ours, hf = result["hybrid_npu_cpu"], result["transformers_eager"]
         result["speedup_vs_transformers"] = {k: round(ours[k] / hf[k], 2) for k in
                                              ("prefill_tokens_per_s", "decode_tokens_per_s")}
-    result["llama_cpp"] = bench_llama_cpp(args.gguf, args.threads, args.prefill, args.decode)
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

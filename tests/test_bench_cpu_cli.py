@@ -1,0 +1,57 @@
+"""bench_cpu.py's llama.cpp side: a missing llama-bench or GGUF is one line and exit 2, before any
+export starts; llama-bench's JSON rows map to prefill / decode (its documented -o json fields).
+ab_cpu.py's arm options parse, and a bad one is refused."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+
+def _run(*args, cwd):
+    return subprocess.run([sys.executable, str(SCRIPTS / "bench_cpu.py"), "--workdir", str(cwd), *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_missing_llama_bench_is_one_line(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    run = _run("--gguf", str(gguf), "--llama-bench", str(tmp_path / "no-such-llama-bench"), cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "llama-bench" in run.stderr
+    assert not any(p.is_dir() for p in tmp_path.iterdir())  # nothing exported first
+
+
+def test_missing_gguf_is_one_line(tmp_path):
+    fake = tmp_path / "llama-bench"
+    fake.write_text("")
+    run = _run("--gguf", str(tmp_path / "absent.gguf"), "--llama-bench", str(fake), cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "absent.gguf" in run.stderr
+
+
+def test_llama_bench_rows():
+    from bench_cpu import llama_bench_rows
+
+    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 88.512, "stddev_ts": 1.234, "samples_ts": [87.0, 90.004]},
+            {"n_prompt": 0, "n_gen": 32, "avg_ts": 9.681, "stddev_ts": 0.05}]  # older builds: no samples
+    assert llama_bench_rows(json.dumps(rows)) == {
+        "prefill_tokens_per_s": 90.0, "prefill_avg": 88.51, "prefill_stdev": 1.23,
+        "decode_tokens_per_s": 9.68, "decode_avg": 9.68, "decode_stdev": 0.05}
+
+
+def test_ab_arm_options():
+    from ab_cpu import parse_arm
+
+    path, opts = parse_arm("/x/int4,opt=extended,intra=1,session.intra_op.allow_spinning=0")
+    assert path == Path("/x/int4")
+    assert opts == {"opt": "extended", "intra": "1", "session.intra_op.allow_spinning": "0"}
+    for bad in ("/x,opt=fast", "/x,intra=two", "/x,nokey"):
+        try:
+            parse_arm(bad)
+        except ValueError as e:
+            assert "bad option" in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")

@@ -18,12 +18,13 @@ def cpu_graph(graphs: dict, name: str) -> str:
     return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
 
 
-def no_spinning(opts: ort.SessionOptions) -> None:
-    """Intra-op workers sleep between kernels instead of spinning. A step is ~1,400 short kernels;
-    a spinning worker burns the core the caller and the rest of the machine need between them.
-    Measured on 2 cores (paired A/B, fresh processes, best of 3, machine shared; docs/cpu-speed.md):
-    int4 prefill 1.28x, decode 1.76x faster without spinning."""
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+def set_spinning(opts: ort.SessionOptions) -> None:
+    """Whether intra-op workers spin between kernels (ORT's default) or sleep: HYBRID_NPU_SPINNING=0
+    for a machine whose cores are busy with other work. Measured on 2 cores, int4, paired A/B
+    (docs/cpu-speed.md): with the VM loaded by other work, not spinning was 1.28x prefill / 1.76x
+    decode faster; with it quiet, spinning was 1.04x / 1.11x faster, so the default stays ORT's."""
+    if os.environ.get("HYBRID_NPU_SPINNING") == "0":
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
 
 
 def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
@@ -32,7 +33,7 @@ def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.Inferen
     if threads:
         opts.intra_op_num_threads = threads
     opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
-    no_spinning(opts)
+    set_spinning(opts)
     # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
     # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
     # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.

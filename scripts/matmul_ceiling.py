@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from hybrid_npu.cli_common import OneLineParser
-from hybrid_npu.runtime.pipeline import no_spinning
+from hybrid_npu.runtime.pipeline import set_spinning
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -73,7 +73,7 @@ def time_model(model: onnx.ModelProto, shapes: dict, threads: int, repeats: int,
     bound, so the least disturbed run; this VM's slow spells last seconds)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
-    no_spinning(opts)  # as the engine's sessions: the bound and the graph share their threading
+    set_spinning(opts)  # as the engine's sessions: the bound and the graph share their threading
     # the arena hands each run's ~200 MB of prefill outputs back to the next (no page faults): the
     # bound stays an upper bound on what the real graph, which reuses its buffers, could reach
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])

@@ -48,11 +48,9 @@ def _token_text(value):
     return value.get("content") if isinstance(value, dict) else value
 
 
-def token_id(path: Path, text: str) -> int | None:
-    """The id of a special token by its text: tokenizer_config.json's added_tokens_decoder, else
-    tokenizer.json's added tokens and vocabulary."""
-    tok_cfg = _as_dict(read_json(path / "tokenizer_config.json", "tokenizer_config.json"),
-                       path / "tokenizer_config.json")
+def token_id(path: Path, tok_cfg: dict, text: str) -> int | None:
+    """The id of a special token by its text: tokenizer_config.json's added_tokens_decoder (tok_cfg,
+    already read), else tokenizer.json's added tokens and vocabulary."""
     for key, entry in (tok_cfg.get("added_tokens_decoder") or {}).items():
         if _token_text(entry) == text and str(key).isdigit():
             return int(key)
@@ -77,7 +75,7 @@ def stop_token_ids(path: Path, raw: dict, text: dict) -> tuple[tuple[int, ...], 
                        path / "tokenizer_config.json")
     eos_text = _token_text(tok_cfg.get("eos_token"))
     if isinstance(eos_text, str):
-        eos = token_id(path, eos_text)
+        eos = token_id(path, tok_cfg, eos_text)
         sources["tokenizer_config.json"] = [] if eos is None else [eos]
     union = tuple(dict.fromkeys(i for ids in sources.values() for i in ids))
     return union, {k: v for k, v in sources.items() if v}

@@ -1,1 +1,1 @@
-"""Hugging Face checkpoint → state-explicit, static-shape ONNX step graphs (design §2-3)."""
+"""Hugging Face checkpoint → state-explicit, static-shape ONNX step graphs (docs/architecture.md)."""

@@ -1,6 +1,6 @@
 """A local Hugging Face checkpoint directory → ModelConfig + canonical named weights.
 
-Accepted layouts (research/qwen35.md §4, §2.4):
+Accepted layouts (docs/qwen35-model.md):
 * model_type `qwen3_5` (the released VLM layout: `text_config`, tensors `model.language_model.*`,
   `model.visual.*` ignored, `mtp.*` kept aside) and `qwen3_5_text` (tensors `model.*`);
 * `qwen3_next` with dense MLPs: fused in_proj_qkvz / in_proj_ba split into the Qwen3.5 layout.
@@ -142,7 +142,7 @@ def parse_config(path: Path, raw: dict) -> ModelConfig:
         if len(layer_types) != n_layers:
             raise UserError(f"config: layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}")
         theta, factor = _rope(text)
-        # gotcha 6: the top level's tie_word_embeddings wins over text_config's
+        # docs/qwen35-model.md trap 6: the top level's tie_word_embeddings wins over text_config's
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         cfg = ModelConfig(
             vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
@@ -236,7 +236,7 @@ def _canonical(name: str) -> str | None:
 
 
 def _split_qwen3_next(cfg: ModelConfig, shapes: dict, loaders: dict) -> None:
-    """Qwen3-Next fused projections → Qwen3.5 layout (research/qwen35.md §2.4): rows are grouped per
+    """Qwen3-Next fused projections → Qwen3.5 layout (docs/qwen35-model.md): rows are grouped per
     key head g as [q_g | k_g | v_g (r·Dv) | z_g (r·Dv)] and [b_g (r) | a_g (r)]."""
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     r, dv = cfg.linear_num_value_heads // hk, cfg.linear_value_head_dim

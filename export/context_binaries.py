@@ -4,7 +4,7 @@ compiling. Each part compiles in a child process (export/npu_check.py) at the pr
 shapes; the binaries land in ctx/<profile>/ and are recorded with the QNN release and SoC.
 
 Weight sharing across contexts (ep.share_ep_contexts) is not used: loading a shared context
-fails on the emulator with QNN_COMMON_ERROR_NOT_SUPPORTED (research/htp-probe.md §8), so each
+fails on the emulator with QNN_COMMON_ERROR_NOT_SUPPORTED (docs/htp-traps.md), so each
 part holds its own weights; a profile that verifies on the NPU holds its weights twice (prefill and verify contexts).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Split a model into contiguous layer ranges for the NPU (design §6, issue: parts).
+"""Split a model into contiguous layer ranges for the NPU (docs/profiles.md, issue: parts).
 
 The HTP has a per-context memory ceiling, ONNX protobuf a 2 GB limit, and HTP compile time grows
-roughly quadratically with node count (research/htp-real-size.md), so NPU graphs are cut into
+roughly quadratically with node count (docs/htp-traps.md), so NPU graphs are cut into
 parts of at most `budget` weight bytes: the embedding rides with the first part, the final norm
 and lm_head with the last, the hidden state passes from part to part and each part carries only
 its own layers' state.
@@ -18,7 +18,7 @@ from .checkpoint import expected_shapes
 
 def htp_itemsize(profile) -> int:
     """Bytes per weight the HTP holds: fp16 mode stores float weights as fp16 in the context
-    binary (measured: 165.7 MB for 317 MB of fp32 weights, research/htp-real-size.md)."""
+    binary (measured: 165.7 MB for 317 MB of fp32 weights, docs/htp-traps.md)."""
     return 2 if profile.npu.precision == "fp16" else 1
 
 

@@ -8,8 +8,8 @@ output activations uint16 with ranges measured by running the calibration text t
 parts on the CPU, exactly as the NPU would be fed (chunks of C, or chain-shaped trees for verify).
 What stays float (fp16 on the HTP): the GDN gate projections b/a, the conv, the delta-rule state
 path, norms, attention and the embedding gather. The recurrent state compounds every token, so
-an error there grows with the context instead of staying per token. The formats are the ones
-research/htp-probe.md §6 ran on the HTP emulator (get_qnn_qdq_config, u16 activations).
+an error there grows with the context instead of staying per token. The formats are ones the HTP
+emulator was seen to run (docs/htp-traps.md, trap 10: get_qnn_qdq_config, u16 activations).
 
 The quantiser is ONNX Runtime's own (onnxruntime.quantization: get_qnn_qdq_config + quantize);
 this module only supplies the calibration data and says which nodes to leave alone.

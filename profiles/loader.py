@@ -1,6 +1,6 @@
 """Device profiles: read, validate and write the TOML files that describe one target device.
 
-A profile holds what changes between devices and nothing else (design §6): the QNN provider
+A profile holds what changes between devices and nothing else (docs/profiles.md): the QNN provider
 options of the NPU, the static graph shapes, the memory budget and the dispatch thresholds.
 Built-in profiles ship next to this file; user profiles (written by a calibrate command, or by
 hand) live in `user_profile_dir()` and shadow built-ins of the same name.
@@ -30,11 +30,11 @@ from hybrid_npu.errors import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent
 ENV_DIR = "HYBRID_NPU_PROFILE_DIR"
-INT32_MAX = 2**31 - 1  # HTP narrows int64 to int32 (htp-probe.md §0.5): positions must stay below
+INT32_MAX = 2**31 - 1  # HTP narrows int64 to int32 (docs/htp-traps.md, trap 2): positions must stay below
 
 # Values onnxruntime-qnn accepts; it only logs a warning for anything else and runs with its
 # default, so we refuse them here (qnn_execution_provider.cc ParseHtpPerformanceMode /
-# ParseHtpArchitecture; research/npu-runtimes.md §3).
+# ParseHtpArchitecture; docs/profiles.md).
 PERFORMANCE_MODES = ("burst", "sustained_high_performance", "high_performance", "balanced",
                      "low_balanced", "default", "high_power_saver", "power_saver",
                      "low_power_saver", "extreme_power_saver")

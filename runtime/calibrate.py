@@ -1,5 +1,5 @@
 """npu-bench calibrate: measure where the NPU prefill starts to beat the CPU on this machine and
-write that threshold into a user profile (design §6: the shipped thresholds are seeds).
+write that threshold into a user profile (docs/profiles.md: the shipped thresholds are seeds).
 
     npu-bench calibrate --profile snapdragon-x-elite --model EXPORT [--lengths 128,512,2048] [--json]
 

@@ -1,5 +1,5 @@
 """The memory plan: fixed costs (weights, GDN state) plus K/V that grows per token, against a
-budget, giving the largest context that fits (design §7). A prompt beyond the plan is refused
+budget, giving the largest context that fits (docs/architecture.md). A prompt beyond the plan is refused
 before any work, never swapped or crashed into.
 
 Per token the plan charges the K/V rows (full-attention layers only) and the prefill's

@@ -1,4 +1,4 @@
-"""Host-side inputs of a step graph: what is cheap here and awkward on the NPU (design §3)."""
+"""Host-side inputs of a step graph: what is cheap here and awkward on the NPU (docs/architecture.md)."""
 from __future__ import annotations
 
 import numpy as np

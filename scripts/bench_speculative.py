@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
 
-# EAGLE-2 tree shapes (research/eagle3.md §1.6); a chain is the tree of width 1
+# EAGLE-2 tree shapes (docs/eagle3-drafter.md); a chain is the tree of width 1
 SHAPES = {"tree": {"top_k": 4, "depth": 6, "total_tokens": 31},
           "chain": {"top_k": 1, "depth": 6, "total_tokens": 6}}
 

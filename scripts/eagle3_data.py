@@ -1,5 +1,5 @@
 """Training data for an EAGLE-3 drafter: the target's own greedy continuations of corpus prompts
-(research/eagle3.md §1.8: SpecForge regenerates responses with the target), with the tap features
+(docs/eagle3-drafter.md: SpecForge regenerates responses with the target), with the tap features
 and the target's final hidden state of every position, captured while generating.
 
 Taps: the residual stream ENTERING layers (2, L//2, L-3) (hybrid_npu ModelConfig.tap_layers, the
@@ -93,7 +93,7 @@ def generate(model, prompts: list[list[int]], gen_tokens: int, batch: int, pad_i
 
 
 def draft_vocabulary(seqs: list[Sequence], vocab_size: int, draft_vocab: int) -> np.ndarray:
-    """The draft vocabulary (eagle3.md §1.5): the draft_vocab most frequent tokens of the data
+    """The draft vocabulary (docs/eagle3-drafter.md): the draft_vocab most frequent tokens of the data
     (ties and unseen tokens by lower id), sorted ascending; used[i] is draft id i's target id."""
     counts = np.zeros(vocab_size, np.int64)
     for s in seqs:

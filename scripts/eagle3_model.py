@@ -1,12 +1,12 @@
 """The EAGLE-3 drafter in torch, for training-time-test (TTT) training, saved in the official /
-SpecForge layout that export/drafter.py reads (research/eagle3.md §1.1-1.5, §1.8).
+SpecForge layout that export/drafter.py reads (docs/eagle3-drafter.md).
 
 One Llama decoder layer whose attention input is concat(input_layernorm(embed(token)),
 hidden_norm(feature)), 2h wide; plain x̂·w RMSNorm, full RoPE, GQA, SwiGLU; `fc` fuses the target's
 taps (3H -> h). The token embedding is the target's, frozen and not saved (official checkpoints
 omit it; our exporter then copies the target's in, which needs h == H).
 
-TTT (eagle3.md §1.8, the reference's cnets.py and SpecForge): step 0 feeds fc(taps), step k > 0
+TTT (docs/eagle3-drafter.md, the reference's cnets.py and SpecForge): step 0 feeds fc(taps), step k > 0
 the drafter's own pre-norm output of step k-1; tokens are the ground truth shifted by k+1. A query
 of step k at position t sees the step-0 keys at positions <= t plus the keys of steps 1..k at the
 same t (the tree mask at inference), at RoPE position t + k.
@@ -125,7 +125,7 @@ class MidLayer(nn.Module):
         self.mlp = MLP(s)
 
     def forward(self, e, f, pos, cache):
-        """e: token embeddings, f: features, [B, T, h] -> pre-norm x [B, T, h] (eagle3.md §1.2)."""
+        """e: token embeddings, f: features, [B, T, h] -> pre-norm x [B, T, h] (docs/eagle3-drafter.md)."""
         x = torch.cat([self.input_layernorm(e), self.hidden_norm(f)], -1)   # embedding first
         x = self.self_attn(x, pos, cache) + f                                 # residual: the raw feature
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -169,7 +169,7 @@ def init_from_target(drafter: Drafter, target, used: torch.Tensor) -> None:
 
 
 def save_checkpoint(drafter: Drafter, used: np.ndarray, target_taps, out_dir) -> Path:
-    """Official/SpecForge layout (eagle3.md §1.4): config.json + model.safetensors with midlayer.*,
+    """Official/SpecForge layout (docs/eagle3-drafter.md): config.json + model.safetensors with midlayer.*,
     fc, norm, lm_head, d2t (target_id = i + d2t[i]), t2d. The taps are written as SpecForge's
     eagle_config ids, "output of layer k" = the stream entering layer k+1; export/drafter.py reads
     them back to exactly `target_taps` (the layers entering which the features were recorded)."""

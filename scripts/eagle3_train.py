@@ -1,4 +1,4 @@
-"""TTT loss and the teacher-free acceptance estimate for an EAGLE-3 drafter (research/eagle3.md §1.8).
+"""TTT loss and the teacher-free acceptance estimate for an EAGLE-3 drafter (docs/eagle3-drafter.md).
 
 Loss of step k: soft cross-entropy against the target's distribution over the draft vocabulary
 (its logits at the rows `used`, renormalised), at the positions whose target argmax is in the draft

@@ -95,7 +95,7 @@ def score_htp(path: Path, profile, wins) -> tuple[float, list[int]]:
 
 def htp_profile(tmp: Path, window: int, tree: int):
     """The X Elite profile, verifying on the NPU with --tree nodes, T_max just over a window,
-    finalization mode 1 (compiles faster; research/htp-real-size.md). Written as a profile file
+    finalization mode 1 (compiles faster; docs/htp-traps.md). Written as a profile file
     because the exporter takes a profile name or path."""
     import dataclasses
 

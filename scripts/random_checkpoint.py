@@ -1,4 +1,4 @@
-"""Random-weight checkpoints with the real Qwen3.5 text configs (research/qwen35.md §5), for
+"""Random-weight checkpoints with the real Qwen3.5 text configs (docs/qwen35-model.md), for
 benchmarks. Built with transformers (the reference implementation), cached on disk.
 
     python scripts/random_checkpoint.py 0.8B /tmp/qwen35-0.8b-random

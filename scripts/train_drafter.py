@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 drafter for a Qwen3.5 hybrid target by training-time test (research/eagle3.md §1.8).
+"""Train an EAGLE-3 drafter for a Qwen3.5 hybrid target by training-time test (docs/eagle3-drafter.md).
 
     python scripts/train_drafter.py TARGET_DIR OUT_DIR [--minutes 15] [--prompts 512] [--gen-tokens 128]
         [--draft-vocab V] [--ttt-steps 7] [--threads 2] [--device cpu]

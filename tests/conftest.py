@@ -63,7 +63,7 @@ def qwen3_next(tmp_path_factory):
 @pytest.fixture(scope="session")
 def htp_profile(tmp_path_factory):
     """The X Elite profile sized for the emulator: T_max 64 (the tiny prompts fit), finalization
-    mode 1 (compiles 2-8x faster, research/htp-real-size.md). A user profile file, as users write them."""
+    mode 1 (compiles 2-8x faster, docs/htp-traps.md). A user profile file, as users write them."""
     import re
 
     from hybrid_npu.profiles.loader import load_profile

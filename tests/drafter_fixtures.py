@@ -1,5 +1,5 @@
 """Tiny random EAGLE-3 drafters for the tiny target of fixtures.py, written offline in both layouts
-(research/eagle3.md §1.4): official/SpecForge (`midlayer.*`) and vLLM speculators (`layers.0.*`).
+(docs/eagle3-drafter.md): official/SpecForge (`midlayer.*`) and vLLM speculators (`layers.0.*`).
 
 Sizes differ on every axis: target H=48, V=320, taps (2, 3, 3); drafter h=32, 4 heads, 2 KV heads,
 head_dim 12 (not h/heads = 8), intermediate 40, draft vocab 64 with a sparse d2t.
@@ -59,7 +59,7 @@ def drafter_weights(seed=0, n_taps=3, embed=True, qk_norm=False, input_norm=Fals
     if input_norm:
         w["input_norm.weight"] = norm(fc_in)
     if vd != V:
-        used = np.sort(rng.choice(V, vd, replace=False)).astype(np.int64)  # eagle3.md §1.5
+        used = np.sort(rng.choice(V, vd, replace=False)).astype(np.int64)  # docs/eagle3-drafter.md
         w["d2t"] = used - np.arange(vd)
         w["t2d"] = np.isin(np.arange(V), used)
     return w

@@ -1,7 +1,7 @@
 """Offline, deterministic tiny-model fixtures for the hybrid-npu tests.
 
 Everything here is built from scratch on the CPU with transformers/tokenizers/safetensors; nothing is
-downloaded.  Spec: shared/research/qwen35.md (sections 1, 2.4, 4 and gotcha 6).
+downloaded.  Spec: docs/qwen35-model.md (layouts, trap 6).
 
 Public helpers
 --------------
@@ -301,7 +301,7 @@ def _release_config_dict(cfg, tie, with_mtp):
         "vision_start_token_id": VISION_START_ID,
         "vision_end_token_id": VISION_END_ID,
         "language_model_only": False,
-        "tie_word_embeddings": bool(tie),     # top level ONLY (gotcha 6)
+        "tie_word_embeddings": bool(tie),     # top level ONLY (docs/qwen35-model.md trap 6)
         "text_config": text,
         "vision_config": vision,
         "transformers_version": transformers.__version__,
@@ -340,7 +340,7 @@ def write_release_checkpoint(dir, seed=0, tie=True, with_mtp=True, sharded=False
     * config.json: ``model_type "qwen3_5"``, architectures ``["Qwen3_5ForConditionalGeneration"]``,
       ``text_config`` (+ the release-only keys) and a tiny ``vision_config``; ``tie_word_embeddings`` is at the
       top level and deliberately NOT inside text_config (so ``AutoModelForCausalLM`` leaves ``lm_head`` random
-      when tie=True -- gotcha 6).
+      when tie=True -- docs/qwen35-model.md trap 6).
     * tensors ``model.language_model.*``, ``model.visual.*`` (a complete tiny vision tower), ``lm_head.weight``
       only when untied, and ``mtp.*`` when ``with_mtp``.  ``sharded=True`` writes 3 shards + the index.
     * tokenizer files + generation_config.json.

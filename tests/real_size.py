@@ -12,7 +12,7 @@ from hybrid_npu.export.weights import WeightPlan
 
 
 def qwen35_text_config(name: str = "0.8B") -> ModelConfig:
-    """research/qwen35.md §5 (real release configs, text part)."""
+    """docs/qwen35-model.md (real release configs, text part)."""
     h, layers, nh, nkv, hv, inter = {"0.8B": (1024, 24, 8, 2, 16, 3584), "4B": (2560, 32, 16, 4, 32, 9216)}[name]
     return ModelConfig(vocab_size=248320, hidden_size=h, intermediate_size=inter,
                        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),

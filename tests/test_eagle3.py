@@ -1,6 +1,6 @@
 """EAGLE-3 drafter: loading both layouts, ONNX vs a float64 torch reference, bad inputs, EAGLE-2 trees.
 
-Spec: research/eagle3.md §1.2 (forward), §1.3 (taps), §1.4 (layouts), §1.5 (d2t), §1.6 (tree).
+Spec: docs/eagle3-drafter.md, §1.5 (d2t), §1.6 (tree).
 """
 import numpy as np
 import pytest
@@ -44,7 +44,7 @@ def ref_fc(w, taps, order=TAPS, drafter_taps=TAPS, input_norm=False):
 
 
 def ref_layer(w, f, ids, pos, allowed, nbr=False, qk_norm=False, normed_out=False, nh=4, nkv=2, hd=12):
-    """One drafter step, eagle3.md §1.2, full attention under `allowed` [T, T] -> logits [T, Vd], hidden [T, h]."""
+    """One drafter step, docs/eagle3-drafter.md, full attention under `allowed` [T, T] -> logits [T, Vd], hidden [T, h]."""
     p = "midlayer."
     f = _t(f)
     e = _t(w["embed_tokens.weight"])[torch.as_tensor(ids)]

@@ -166,7 +166,7 @@ def test_release_checkpoint_layout_and_equivalence(tmp_path, tie, sharded):
     fresh_sd = F.make_causal_lm(seed=5, tie=tie).state_dict()
     assert all(torch.equal(v, fresh_sd[k]) for k, v in ref_sd.items())
 
-    # AutoModelForCausalLM: drops visual/mtp; with tie only at the top level lm_head is NOT tied (gotcha 6)
+    # AutoModelForCausalLM: drops visual/mtp; with tie only at the top level lm_head is NOT tied (docs/qwen35-model.md trap 6)
     m, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert type(m).__name__ == "Qwen3_5ForCausalLM"
     assert not info["unexpected_keys"]

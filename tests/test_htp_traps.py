@@ -1,4 +1,4 @@
-"""The HTP traps of research/htp-real-size.md, each guarded on a shape where it bites, run on the
+"""The HTP traps of docs/htp-traps.md, each guarded on a shape where it bites, run on the
 emulator with CPU fallback disabled against the same graph on the CPU EP."""
 import numpy as np
 import onnxruntime as ort

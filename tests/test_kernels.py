@@ -142,7 +142,7 @@ def test_tree_delta_rule_matches_recurrence_along_every_path():
 
 @pytest.mark.parametrize("n", [64, 128])
 def test_delta_rule_stress_near_parallel_keys(n):
-    """Near-parallel keys, g ≈ 0, β ≈ 1: where high powers of A blow up (gotcha 8)."""
+    """Near-parallel keys, g ≈ 0, β ≈ 1: where high powers of A blow up (docs/qwen35-model.md trap 8)."""
     r = np.random.default_rng(n)
     base = r.standard_normal((1, HK, DK))
     k = (base + 1e-2 * r.standard_normal((n, HK, DK))).astype(np.float32)

@@ -195,7 +195,7 @@ REAL_GRAPHS = {  # one graph per distinct shape: all GDN layers share one, all a
 def test_real_qwen35_08b_graphs_place_entirely_on_the_htp(name, tmp_path):
     """Real Qwen3.5-0.8B text config (random weights), the shipped X Elite profile's T_max, CPU
     fallback disabled, each compile in its own process. Finalization mode 1 for CI time (placement
-    does not depend on it; research/htp-real-size.md)."""
+    does not depend on it; docs/htp-traps.md)."""
     cfg = qwen35_text_config("0.8B")
     prof = load_profile("snapdragon-x-elite")
     path = write_graph(cfg, REAL_GRAPHS[name], tmp_path, name)

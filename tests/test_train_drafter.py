@@ -1,7 +1,7 @@
 """scripts/train_drafter.py: EAGLE-3 TTT training for a hybrid target, end to end on the tiny fixture.
 
 Checks that matter beyond "it runs": the trainer's features are the runtime's taps (the off-by-one
-trap of research/eagle3.md §1.3), the torch drafter's TTT unroll is what the exported ONNX drafter
+trap of docs/eagle3-drafter.md), the torch drafter's TTT unroll is what the exported ONNX drafter
 computes at inference (observe + chain propose), the loss can go down, and a trained checkpoint
 exports and speculates losslessly.
 """

@@ -1,4 +1,4 @@
-"""The text decoder's dimensions, read from a Hugging Face config (research/qwen35.md §1).
+"""The text decoder's dimensions, read from a Hugging Face config (docs/qwen35-model.md).
 
 One dataclass shared by the exporter (which reads config.json) and the runtime (which reads
 the manifest). Field names follow the HF config so the mapping stays obvious.
@@ -34,7 +34,7 @@ class ModelConfig:
     max_position_embeddings: int = 262144
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
-    # ---- derived sizes (research/qwen35.md §1) ----
+    # ---- derived sizes (docs/qwen35-model.md) ----
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
@@ -65,7 +65,7 @@ class ModelConfig:
 
     @property
     def tap_layers(self) -> tuple[int, int, int]:
-        """EAGLE-3 feature taps: the residual stream entering layers 2, L//2 and L-3 (design §5)."""
+        """EAGLE-3 feature taps: the residual stream entering layers 2, L//2 and L-3 (docs/eagle3-drafter.md)."""
         n = self.num_layers
         return (min(2, n - 1), n // 2, max(n - 3, 0))
 

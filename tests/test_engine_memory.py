@@ -25,16 +25,35 @@ def kv_heavy(tmp_path_factory):
     return root / "out"
 
 
-def test_kv_bytes_per_token_is_the_analytic_value(text_tied):
+def test_kv_and_state_bytes_match_transformers_cache(text_tied):
+    """The memory plan's per-token K/V bytes and fixed state bytes, against what transformers' own
+    cache holds after a forward (fp32 model): K/V bytes grow by exactly kv_bytes_per_token per token;
+    the state is its recurrent matrices plus K-1 of the K conv columns HF keeps (we keep K-1)."""
+    import torch
     engine = hybrid_npu.load(text_tied.out)
-    cfg = engine.config
     report = engine.memory_report()
-    assert report["kv_bytes_per_token"] == len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
-    assert report["state_bytes"] == len(cfg.linear_layers) * 4 * (
-        cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1)
-        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
+    model = text_tied.ref.float().eval()
+
+    def cache_after(t):
+        with torch.no_grad():
+            return model(torch.arange(1, t + 1)[None], use_cache=True).past_key_values
+
+    def kv_bytes(cache):
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if hasattr(layer, "keys")
+                   and layer.keys is not None)
+
+    a, b = cache_after(5), cache_after(12)
+    assert report["kv_bytes_per_token"] == (kv_bytes(b) - kv_bytes(a)) / 7
+    gdn = [layer for layer in b.layers if hasattr(layer, "recurrent_states")]
+    assert len(gdn) == len(engine.config.linear_layers) > 0
+    state = 0
+    for layer in gdn:  # transformers keeps one state per layer under key 0
+        conv, rec = layer.conv_states[0], layer.recurrent_states[0]
+        assert rec.dtype == torch.float32
+        state += rec.nbytes + conv.nbytes // conv.shape[-1] * (conv.shape[-1] - 1)
+    assert report["state_bytes"] == state
     assert 0 < report["weights_bytes"] <= (text_tied.out / "graphs" / "weights.bin").stat().st_size
-    assert report["max_context"] == cfg.max_position_embeddings and report["context_tokens"] == 0
+    assert report["max_context"] == model.config.max_position_embeddings and report["context_tokens"] == 0
 
 
 INGEST = """

@@ -100,9 +100,12 @@ def test_manifest_describes_the_export(release_tied):
             assert {f"past_key.{i}", f"past_value.{i}"} <= names
     rec = next(o for o in m["graphs"]["prefill"]["outputs"] if o["name"].startswith("recurrent_state_out"))
     assert rec["dtype"] == "float32"
-    rc = release_tied.ref.config
-    assert m["state"]["kv_bytes_per_token"] == (
-        rc.layer_types.count("full_attention") * 2 * rc.num_key_value_heads * rc.head_dim * 4)
+    # the manifest's K/V bytes per token: what transformers' own cache grows by per token (fp32)
+    with torch.no_grad():
+        caches = [release_tied.ref.float()(torch.arange(1, t + 1)[None], use_cache=True).past_key_values
+                  for t in (3, 7)]
+    kv = [sum(x.keys.nbytes + x.values.nbytes for x in c.layers if hasattr(x, "keys")) for c in caches]
+    assert m["state"]["kv_bytes_per_token"] == (kv[1] - kv[0]) / 4
     assert m["tokenizer"]["chat_template"]
     # static shapes: every dim is fixed except the growing past of the attention K/V; the CPU's
     # any-N graph alone also takes 1 or C tokens (n), and the CPU verify graph trees of its sizes;

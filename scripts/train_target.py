@@ -23,56 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import chatml_tokenizer  # noqa: E402
 import stdlib_corpus  # noqa: E402
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-THINK_TOKENS = ["<think>", "</think>"]
-# the Qwen2/3 pre-tokenizer split (numbers one digit at a time)
-PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is not defined or enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
-
-
-def train_tokenizer(texts, vocab_size):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    n_added = len(SPECIALS) + len(THINK_TOKENS)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - n_added, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    return tok
-
-
-def write_tokenizer(tok, out: Path):
-    tok.save(str(out / "tokenizer.json"))
-    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                       "single_word": False, "special": t in SPECIALS}
-             for t in SPECIALS + THINK_TOKENS}
-    cfg = {"tokenizer_class": "Qwen2Tokenizer", "add_bos_token": False, "add_prefix_space": False,
-           "added_tokens_decoder": added, "additional_special_tokens": SPECIALS[1:], "bos_token": None,
-           "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
-           "clean_up_tokenization_spaces": False, "split_special_tokens": False, "model_max_length": 65536,
-           "chat_template": CHAT_TEMPLATE}
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-
 
 def model_config(vocab_size, tok):
     from transformers import Qwen3_5TextConfig
@@ -129,7 +81,8 @@ def main() -> int:
     train_docs = [d for d in docs if not d.held_out]
     random.Random(args.seed).shuffle(train_docs)
     val_docs = [d for d in docs if d.held_out]
-    tok = train_tokenizer((stdlib_corpus.training_text(d) for d in train_docs), args.vocab)
+    n_added = len(chatml_tokenizer.SPECIALS) + len(chatml_tokenizer.THINK_TOKENS)
+    tok = chatml_tokenizer.train_bpe((stdlib_corpus.training_text(d) for d in train_docs), args.vocab - n_added)
     eot = tok.token_to_id("<|endoftext|>")
     train, val = token_stream(tok, train_docs, eot), token_stream(tok, val_docs, eot)
     print(f"corpus: {len(train_docs)} train / {len(val_docs)} held-out documents, "
@@ -180,7 +133,7 @@ def main() -> int:
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=[cfg.eos_token_id, eot],
                                                pad_token_id=eot, do_sample=False)
     model.save_pretrained(args.out, safe_serialization=True)
-    write_tokenizer(tok, args.out)
+    chatml_tokenizer.write_tokenizer(tok, args.out)
     (args.out / "train_log.json").write_text(json.dumps(log) + "\n")
     print(json.dumps({k: v for k, v in log.items() if not isinstance(v, list)}, indent=1))
     return 0

@@ -26,9 +26,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import chatml_tokenizer  # noqa: E402  (the tokenizer train_target.py gives the embedded model)
 
 LIN, FULL = "linear_attention", "full_attention"
 
@@ -455,9 +459,8 @@ def corrupt_truncate(path, n_bytes):
 # ----------------------------------------------------------------------------------------------------
 # tokenizer
 # ----------------------------------------------------------------------------------------------------
-# Same pre-tokenizer regex as transformers' Qwen3_5Tokenizer, so tokenizer.json and AutoTokenizer agree.
-PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
-                     r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# The tokenizer, its added tokens and its ChatML template are the ones train_target.py gives the
+# embedded model (scripts/chatml_tokenizer.py), trained here on a built-in text.
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the forest.
@@ -476,17 +479,7 @@ Linear attention keeps a fixed state, while full attention keeps every key and v
 The state is updated with a gated delta rule, and the cache grows with the length of the context.
 """
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
+CHAT_TEMPLATE = chatml_tokenizer.CHAT_TEMPLATE
 
 _TOKENIZER = None
 
@@ -497,27 +490,7 @@ def train_tiny_tokenizer():
     global _TOKENIZER
     if _TOKENIZER is not None:
         return _TOKENIZER
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=N_BYTES + N_MERGES,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=[],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
-    assert tok.get_vocab_size() == N_BYTES + N_MERGES, tok.get_vocab_size()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (ENDOFTEXT, IM_START, IM_END)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK, END_THINK)])
+    tok = chatml_tokenizer.train_bpe(_CORPUS.splitlines(keepends=True), N_BYTES + N_MERGES)
     ids = [tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END, THINK, END_THINK)]
     assert ids == [ENDOFTEXT_ID, IM_START_ID, IM_END_ID, THINK_ID, END_THINK_ID], ids
     assert tok.get_vocab_size() == TOKENIZER_VOCAB_SIZE
@@ -530,30 +503,7 @@ def write_tokenizer_files(dir):
     special_tokens_map.json."""
     dir_ = Path(dir)
     dir_.mkdir(parents=True, exist_ok=True)
-    tok = train_tiny_tokenizer()
-    tok.save(str(dir_ / "tokenizer.json"))
-    added = {}
-    for t, i in ((ENDOFTEXT, ENDOFTEXT_ID), (IM_START, IM_START_ID), (IM_END, IM_END_ID),
-                 (THINK, THINK_ID), (END_THINK, END_THINK_ID)):
-        added[str(i)] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                         "single_word": False, "special": t not in (THINK, END_THINK)}
-    cfg = {
-        "tokenizer_class": "Qwen3_5Tokenizer",
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END],
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "errors": "replace",
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "model_max_length": 65536,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (dir_ / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    chatml_tokenizer.write_tokenizer(train_tiny_tokenizer(), dir_)
     stm = {
         "additional_special_tokens": [IM_START, IM_END],
         "eos_token": {"content": IM_END, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False},

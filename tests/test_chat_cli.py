@@ -166,7 +166,7 @@ def test_one_shot_json_matches_engine_generate(chat_model, engine, capsys):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     text = ChatTemplate.from_export(chat_model).render(messages, add_generation_prompt=True)
     ids = engine.tokenizer.encode(text, add_special_tokens=False).ids
-    assert text.endswith("<|im_start|>assistant\n") and "Be brief." in text
+    assert text.count("<|im_start|>assistant\n") == 1 and "Be brief." in text
     assert out["token_ids"] == engine.generate(ids, 10, speculative=False)
     assert out["text"] == engine.tokenizer.decode(out["token_ids"])
     assert out["stats"]["prefill_tokens"] == len(ids)
@@ -208,7 +208,9 @@ def test_template_renders_like_transformers(tmp_path):
 
 def test_incremental_turn_equals_fresh_render(engine, engines, tmp_path):
     fresh = engines[1]
-    conv = Conversation(engine, system="You are terse.")
+    # thinking on: this tiny template then renders a past reply exactly as it was generated (with
+    # thinking off it drops the empty think block, and the reply is re-read: tests/test_release_chat.py)
+    conv = Conversation(engine, system="You are terse.", enable_thinking=True)
     plain = Sampling(max_new_tokens=6, speculative=False)
     first = conv.reply("Hello there", plain)
     assert first.reused_tokens == 0 and len(first.token_ids) == 6

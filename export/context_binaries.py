@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MASK_DIM, PAST_DIM
-from hybrid_npu.runtime.qnn import NpuUnavailable, qnn_devices, qnn_version
+from hybrid_npu.runtime.for_export import NpuUnavailable, qnn_devices, qnn_version
 
 from .npu_check import compile_on_npu
 

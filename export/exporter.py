@@ -20,10 +20,9 @@ import onnx
 from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_DIR
+from hybrid_npu.format import DRAFTER_DIR, NPU_GRAPHS, STORAGE_DTYPES as DTYPES
 
 from hybrid_npu.profiles.loader import load_profile
-from hybrid_npu.runtime.npu_sessions import NPU_GRAPHS
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
@@ -37,7 +36,6 @@ from .quantize import quant_spec
 from .step_graph import StepSpec, build_step_graph
 from .weights import WeightPlan
 
-DTYPES = {"fp32": np.float32, "fp16": np.float16}
 WEIGHTS_FILE = "weights.bin"
 DEFAULT_CHUNK = 128
 DEFAULT_VERIFY = 32

@@ -67,7 +67,7 @@ def _worker(argv) -> int:
     import onnxruntime as ort
     import psutil
 
-    from hybrid_npu.runtime.qnn import NpuUnavailable, qnn_session_options
+    from hybrid_npu.runtime.for_export import NpuUnavailable, qnn_session_options
 
     ap = argparse.ArgumentParser()
     ap.add_argument("graph")

@@ -8,8 +8,8 @@ from typing import Callable
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.profiles.loader import load_profile
-from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM, npu_part_files, with_export_capacity
-from hybrid_npu.runtime.qnn import NpuUnavailable
+from hybrid_npu.format import MASK_DIM, PAST_DIM
+from hybrid_npu.runtime.for_export import NpuUnavailable, npu_part_files, with_export_capacity
 
 from .manifest import MANIFEST, is_export
 from .npu_check import compile_on_npu

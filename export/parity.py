@@ -22,9 +22,7 @@ import onnx
 from onnx import numpy_helper
 
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.runtime.pipeline import Pipeline, cpu_session
-from hybrid_npu.runtime.state import State
-from hybrid_npu.runtime.step_inputs import chain_feed, commit_chain
+from hybrid_npu.runtime.for_export import Pipeline, State, chain_feed, commit_chain, cpu_session
 
 from .checkpoint import expected_shapes, read_checkpoint
 

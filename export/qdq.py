@@ -59,9 +59,7 @@ def calibration_steps(cfg: ModelConfig, ids: list[int], n: int, tree: bool,
     """(feed, commit) for each n-token step over ids from an empty context: chain steps (prefill)
     or chain-shaped trees (verify, every node committed); commit(outputs) advances the state.
     capacity: K/V rows from the start (an NPU graph reads exactly T_max), else grown as needed."""
-    from hybrid_npu.runtime.speculative import Tree, commit_path, tree_feed
-    from hybrid_npu.runtime.state import State
-    from hybrid_npu.runtime.step_inputs import chain_feed, commit_chain
+    from hybrid_npu.runtime.for_export import State, Tree, chain_feed, commit_chain, commit_path, tree_feed
 
     state = State.fresh(cfg) if capacity is None else State.fresh(cfg, capacity)
     for s in range(0, len(ids), n):
@@ -138,7 +136,7 @@ def quantize_parts(cfg: ModelConfig, float_files: list[Path], out_files: list[Pa
     """Quantise each float part into its QDQ twin, calibrated on what it is fed over `ids`."""
     import onnxruntime as ort
 
-    from hybrid_npu.runtime.pipeline import Pipeline
+    from hybrid_npu.runtime.for_export import Pipeline
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

@@ -12,9 +12,8 @@ from pathlib import Path
 
 from hybrid_npu.cli_common import human_bytes as human
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.runtime.checkpoints import DEFAULT_MAX_CHECKPOINTS
-from hybrid_npu.runtime.memory import MARGIN_BYTES, plan_memory, resident_weight_bytes
-from hybrid_npu.runtime.pipeline import cpu_graph
+from hybrid_npu.runtime.for_export import (DEFAULT_MAX_CHECKPOINTS, MARGIN_BYTES, cpu_graph, plan_memory,
+                                          resident_weight_bytes)
 
 def _tree_size(path: Path) -> tuple[int, int]:
     files = [f for f in path.rglob("*") if f.is_file()]

@@ -8,7 +8,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from hybrid_npu.format import MASK_DIM, PAST_DIM
+from hybrid_npu.format import MASK_DIM, NPU_GRAPHS, PAST_DIM
 
 from .pipeline import Pipeline
 from .qnn import NpuUnavailable, qnn_session, qnn_session_options, qnn_version
@@ -17,7 +17,6 @@ NPU_DEVICE = "QNN/HTP"
 
 
 # graph -> (the manifest's NPU entry keys for its parts and context binaries)
-NPU_GRAPHS = {"prefill": ("parts", "context"), "verify": ("verify_parts", "verify_context")}
 
 
 def npu_part_files(path: Path, manifest: dict, profile, graph: str = "prefill") -> list[str]:

@@ -30,6 +30,14 @@ def test_never_arrows(folder, package, forbidden):
     assert not bad, bad
 
 
+def test_export_uses_the_runtime_through_one_seam():
+    """export/ reaches the runtime only through hybrid_npu.runtime.for_export, so what the exporter
+    needs of the runtime is one list that can be read (and kept short)."""
+    used = {(f, m) for f, mods in imported_modules("export", "hybrid_npu.export") for m in mods
+            if m.startswith("hybrid_npu.runtime")}
+    assert used and {m for _, m in used} == {"hybrid_npu.runtime.for_export"}, sorted(used)
+
+
 def test_the_resolver_sees_relative_imports():
     """The check above would pass on nothing: it must see runtime's own relative imports."""
     mods = {m for _, ms in imported_modules("runtime", "hybrid_npu.runtime") for m in ms}

@@ -5,13 +5,19 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
+
 FORMAT = "hybrid-npu/1"               # model.json's "format"
 MANIFEST = "model.json"               # the export's manifest, at its root
+STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}  # model.json "dtype": how float weights are stored
 DRAFTER_DIR = "drafter"               # an export's own drafter, beside graphs/
 DRAFTER_FORMAT = "hybrid-npu-drafter/1"
 DRAFTER_MANIFEST = "drafter.json"
 PAST_DIM = "past_len"                 # the step graphs' free dimensions: K/V rows already in the context,
 MASK_DIM = "past_len_plus_n"          # and the attention mask's width (those rows + the N new ones)
+# the NPU graphs of a profile's manifest entry (model.json "npu" -> profile name): graph -> (its parts' key,
+# its precompiled contexts' key)
+NPU_GRAPHS = {"prefill": ("parts", "context"), "verify": ("verify_parts", "verify_context")}
 
 
 def manifest_hash(path) -> str:

@@ -29,7 +29,7 @@ from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.kernels.attention import emit_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select, emit_short_conv, emit_short_conv_step_cpu
-from hybrid_npu.kernels.delta_rule import emit_gated_delta, emit_gated_delta_step
+from hybrid_npu.kernels.delta_rule import emit_gated_delta, emit_gated_delta_cpu
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import (emit_add_rmsnorm_1p_cpu, emit_gated_rmsnorm, emit_gated_rmsnorm_cpu,
                                       emit_rmsnorm_1p, emit_rmsnorm_1p_cpu)
@@ -224,10 +224,8 @@ class _Builder:
         if self.spec.any_n:
             with g.capture() as one:
                 o1, conv1, S1, _ = self._gdn_core(*core, n=1, step=True)
-                o1 = g.reshape(o1, [1, hv * dv])
             with g.capture() as chunk:
                 o2, conv2, S2, _ = self._gdn_core(*core, n=self.n, step=False)
-                o2 = g.reshape(o2, [self.n, hv * dv])
             o, new_conv, S_after = g.if_(self.one, (one, [o1, conv1, S1]), (chunk, [o2, conv2, S2]))
         elif self.sized:
             def sized_core(m):
@@ -246,10 +244,8 @@ class _Builder:
             g.output(new_conv, f"conv_state_out.{i}", np.float32, [c.conv_dim, k - 1])
             g.output(S_after, f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
         norm_w = self.w(self.plan.vector(a + "norm.weight", dv))
-        if self.spec.any_n:
+        if self.spec.cpu_kernels:
             normed = emit_gated_rmsnorm_cpu(g, o, z, norm_w, c.rms_norm_eps)
-        elif self.spec.cpu_kernels:
-            normed = emit_gated_rmsnorm_cpu(g, g.reshape(o, [n, hv * dv]), z, norm_w, c.rms_norm_eps)
         else:  # o in the state's units u: the norm takes eps/u² (u⁻¹ by 1/√u twice, flushed to 0 when negligible)
             eps_scale = None
             if unit is not None:
@@ -262,8 +258,9 @@ class _Builder:
         return self.linear(normed, a + "out_proj", [a + "out_proj.weight"], hv * dv, [c.hidden_size])[0]
 
     def _gdn_core(self, qkv, conv_state, conv_w, S, beta, decay, *, n: int, step: bool, unit: str | None = None):
-        """The short conv and the delta rule over n tokens: (o [n, Hv, Dv], conv state out, S_after,
-        tree commit tensors). step: one token through the CPU's fused conv and the recurrence itself."""
+        """The short conv and the delta rule over n tokens: (o, conv state out, S_after, tree commit
+        tensors); o [n, Hv·Dv] on the CPU kernels, else [n, Hv, Dv]. step: one token through the CPU's
+        fused conv."""
         c, g = self.cfg, self.g
         hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                              c.linear_value_head_dim, c.linear_conv_kernel_dim)
@@ -271,13 +268,14 @@ class _Builder:
             y, new_conv = emit_short_conv_step_cpu(g, qkv, conv_state, conv_w)
         else:
             y, new_conv = emit_short_conv(g, qkv, conv_state, conv_w, n, k, self.state_select, self.tree_select)
+        if self.valid is not None and n > 1:  # a padded token neither decays nor writes the state
+            beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
+        if self.spec.cpu_kernels:  # ORT's LinearAttention: the recurrence itself, one token or a chunk
+            qk, v = g.split(y, [2 * c.key_dim, c.value_dim], axis=-1)
+            o, S_after = emit_gated_delta_cpu(g, qk, v, decay, beta, S, n=n, hk=hk, hv=hv, dk=dk, dv=dv)
+            return o, new_conv, S_after, None
         q, kk, v = g.split(y, [c.key_dim, c.key_dim, c.value_dim], axis=-1)
         q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
-        if step:  # one token: the recurrence itself, not the masked form
-            o, S_after = emit_gated_delta_step(g, q, kk, v, decay, beta, S, hk=hk, hv=hv, dk=dk, dv=dv)
-            return o, new_conv, S_after, None
-        if self.valid is not None:  # a padded token neither decays nor writes the state
-            beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
         o, S_after, commit = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t, self.strict, n=n,
                                               hk=hk, hv=hv, dk=dk, dv=dv, chain_state=not self.spec.tree,
                                               state_unit=unit)

@@ -79,27 +79,43 @@ def test_delta_rule_numpy_vs_transformers_vs_onnx(n):
     np.testing.assert_allclose(s_onnx, s_ref, atol=2e-5)
 
 
-def test_one_token_delta_step_matches_reference_and_transformers():
-    """The decode graph's own form (emit_gated_delta_step), stepped token by token with its state
-    fed back, against the token loop and transformers' recurrent kernel over the same 7 tokens."""
+def cpu_delta_graph(n):
+    gb = GraphBuilder("delta_cpu")
+    names = [gb.input(name, np.float32, shape) for name, shape in
+             (("qk", [n, 2 * HK * DK]), ("v", [n, HV * DV]), ("g", [n, HV]), ("beta", [n, HV]), ("S", [HV, DK, DV]))]
+    o, s_after = delta_rule.emit_gated_delta_cpu(gb, *names, n=n, hk=HK, hv=HV, dk=DK, dv=DV)
+    gb.output(o, "o", np.float32, [n, HV * DV])
+    gb.output(s_after, "S_out", np.float32, [HV, DK, DV])
+    return gb
+
+
+def run_cpu_delta(gb, q, k, v, g, beta, S):
+    n = len(q)
+    return run_graph(gb, dict(qk=np.concatenate([q.reshape(n, -1), k.reshape(n, -1)], axis=1), v=v.reshape(n, -1),
+                              g=g, beta=beta, S=S))
+
+
+def test_cpu_delta_rule_matches_reference_and_transformers():
+    """The CPU graphs' form (ORT's LinearAttention, emit_gated_delta_cpu): one token at a time with
+    its state fed back (decode) and a 7-token chunk with a padded tail (beta = g = 0, as the graph
+    feeds padding), against the token loop and transformers' recurrent kernel."""
     q, k, v, g, beta, S = gdn_inputs(7, seed=11)
     o_ref, s_ref = delta_rule.gated_delta_recurrent_ref(*(x.astype(np.float64) for x in (q, k, v, g, beta, S)))
     o_hf, s_hf = hf_delta(M5.torch_recurrent_gated_delta_rule, q, k, v, g, beta, S)
     np.testing.assert_allclose(o_hf, o_ref, atol=2e-5)
-    gb = GraphBuilder("delta_step")
-    names = [gb.input(name, np.float32, shape) for name, shape in
-             (("q", [1, HK, DK]), ("k", [1, HK, DK]), ("v", [1, HV, DV]), ("g", [1, HV]), ("beta", [1, HV]),
-              ("S", [HV, DK, DV]))]
-    o, s_after = delta_rule.emit_gated_delta_step(gb, *names, hk=HK, hv=HV, dk=DK, dv=DV)
-    gb.output(o, "o", np.float32, [1, HV, DV])
-    gb.output(s_after, "S_out", np.float32, [HV, DK, DV])
-    state, outs = S, []
+    np.testing.assert_allclose(s_hf, s_ref, atol=2e-5)
+    step, state, outs = cpu_delta_graph(1), S, []
     for t in range(7):
-        o_t, state = run_graph(gb, dict(q=q[t:t + 1], k=k[t:t + 1], v=v[t:t + 1], g=g[t:t + 1],
-                                        beta=beta[t:t + 1], S=state))
-        outs.append(o_t[0])
+        o_t, state = run_cpu_delta(step, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        outs.append(o_t.reshape(HV, DV))
     np.testing.assert_allclose(np.stack(outs), o_ref, atol=2e-5)
     np.testing.assert_allclose(state, s_ref, atol=2e-5)
+    pad = 3  # the chunk graph at n = 10 with 3 padded tokens: the state is the 7 valid tokens'
+    padded = [np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) for x in (q, k, v, g, beta)]
+    padded[0][7:], padded[1][7:], padded[2][7:] = 1.0, 1.0, 1.0  # whatever the padding rows hold
+    o_chunk, s_chunk = run_cpu_delta(cpu_delta_graph(10), *padded, S)
+    np.testing.assert_allclose(o_chunk[:7].reshape(7, HV, DV), o_ref, atol=2e-5)
+    np.testing.assert_allclose(s_chunk, s_ref, atol=2e-5)
 
 
 def tree_parents():

@@ -211,8 +211,8 @@ def emit_gated_delta_cpu(g: GraphBuilder, qk: str, v: str, gate: str, beta: str,
     unit = g.const(np.full(dk, 1.0 / math.sqrt(dk), np.float32))
     qk = g.op("RMSNormalization", g.reshape(qk, [n, 2 * hk, dk]), unit, axis=-1, epsilon=L2_EPS / dk)
     q, k = g.split(g.reshape(qk, [1, n, 2 * hk * dk]), [hk * dk, hk * dk], axis=-1)
-    if r > 1:
-        q, k = (g.reshape(_emit_repeat_heads(g, g.reshape(x, [n, hk, dk]), n, hk, r, dk), [1, n, hv * dk])
+    if r > 1:  # Expand broadcasts the token dim: n may be -1 (dynamic)
+        q, k = (g.reshape(g.op("Expand", g.reshape(x, [n, hk, 1, dk]), g.ints([1, hk, r, dk])), [1, n, hv * dk])
                 for x in (q, k))
     o, S_after = g.op("LinearAttention", q, k, g.reshape(v, [1, n, hv * dv]), g.unsqueeze(S, [0]),
                       g.reshape(gate, [1, n, hv]), g.reshape(beta, [1, n, hv]), n_out=2, domain=MS_DOMAIN,

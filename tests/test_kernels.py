@@ -250,6 +250,29 @@ def test_short_conv_cpu_step_matches_reference_and_transformers():
     np.testing.assert_allclose(s, hf_state, atol=1e-6)
 
 
+def test_short_conv_cpu_any_n_matches_reference_and_transformers():
+    """The any-N CPU graph's form (CausalConvWithState channels-last, the state picked among the
+    valid inputs): one graph with N dynamic, run for a 9-token chunk (all valid, and 5 valid then
+    padding) and for one token, against the definition and transformers' decode-time conv."""
+    n = 9
+    x, state, w = conv_case(n, seed=5)
+    hf_y, hf_state = hf_conv(x, state, w)
+    g = GraphBuilder("conv_any_n")
+    xi, si = g.input("x", np.float32, ["n", C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])
+    sel = g.input("sel", np.float32, [K_CONV - 1, "k_minus_1_plus_n"])
+    y, new = conv.emit_short_conv_cpu(g, xi, si, g.const(w.T.copy()), sel)
+    g.output(y, "y", np.float32, ["n", C_CONV])
+    g.output(new, "new", np.float32, [C_CONV, K_CONV - 1])
+    for valid in (n, 5):
+        y_o, new_o = run_graph(g, {"x": x, "s": state, "sel": conv.chain_state_select(valid, n, K_CONV)})
+        np.testing.assert_allclose(y_o[:valid], hf_y[:valid], atol=1e-5)
+        np.testing.assert_allclose(new_o, conv.short_conv_ref(x, state, w, valid)[1], atol=1e-6)
+    np.testing.assert_allclose(new_o, hf_conv(x[:5], state, w)[1], atol=1e-6)
+    y1, new1 = run_graph(g, {"x": x[:1], "s": state, "sel": conv.chain_state_select(1, 1, K_CONV)})
+    np.testing.assert_allclose(y1, hf_y[:1], atol=1e-5)
+    np.testing.assert_allclose(new1, hf_conv(x[:1], state, w)[1], atol=1e-6)
+
+
 def test_tree_conv_reads_each_nodes_own_path():
     parents = tree_parents()
     n = len(parents)

@@ -20,7 +20,6 @@ class PlainOps:
     rank3_matmul = False  # MatMulNBits inputs unsqueezed to 3-D
     state_units = True    # recurrent_scale.{i} inputs: the state and its readout in per-head units
     chain_only = False
-    gdn_any_n = False     # the GDN core takes any token count in one set of nodes (n = -1, no If)
 
     def __init__(self, g: GraphBuilder, eps: float):
         self.g, self.eps = g, eps
@@ -72,7 +71,6 @@ class CpuOps(PlainOps):
     frame per layer, no copy of the state out of a branch)."""
     state_units = False
     chain_only = True
-    gdn_any_n = True
 
     def norm1p(self, x: str, weight: str) -> str:
         return emit_rmsnorm_1p_cpu(self.g, x, weight, self.eps)
@@ -87,9 +85,9 @@ class CpuOps(PlainOps):
         return emit_gated_rmsnorm_cpu(self.g, o, z, weight, self.eps)  # o already [rows, Hv·Dv]
 
     def short_conv(self, x: str, state: str, w_kc: str, *, n: int, k: int, state_select, tree_select):
-        if state_select is None:  # the one-token graph: the op's own new state (the shifted window)
+        if n == 1:  # one token: the op's own new state (the shifted window)
             return emit_short_conv_step_cpu(self.g, x, state, w_kc)
-        # any N: a chunk may end in padding, so the new state is picked among the valid tokens
+        # a chunk may end in padding, so the new state is picked among the valid tokens
         return emit_short_conv_cpu(self.g, x, state, w_kc, state_select)
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,

@@ -146,15 +146,12 @@ class _Builder:
             return x, self.norm1p(x, src, self.cfg.hidden_size)
         return self.ops.add_norm1p(x, delta, self.w(self.plan.vector(src, self.cfg.hidden_size)))
 
-    def per_call(self, core, any_n: bool = False) -> list[str]:
+    def per_call(self, core) -> list[str]:
         """core(m) -> output names for m new tokens, for the token counts a call may bring: n (static),
-        1 or n under If (any), one of the tree sizes under nested Ifs (sizes, the largest innermost).
-        any_n: core takes any count in one set of nodes (m = -1, no If)."""
+        1 or n under If (any), one of the tree sizes under nested Ifs (sizes, the largest innermost)."""
         g, rows = self.g, self.traits.rows
         if rows == "static":
             return core(self.n)
-        if rows == "any" and any_n:
-            return core(-1)
         counts = [1, self.n] if rows == "any" else sorted(self.spec.tree_sizes)
 
         def pick(j: int) -> list[str]:
@@ -272,7 +269,7 @@ class _Builder:
         def core(m: int) -> list[str]:
             o, new_conv, S_after, commit = self._gdn_core(qkv, conv_state, conv_w, S, beta, decay, n=m, unit=unit)
             return [o, *commit] if self.traits.tree else [o, new_conv, S_after]
-        o, *rest = self.per_call(core, any_n=self.ops.gdn_any_n)
+        o, *rest = self.per_call(core)
         if self.traits.tree:
             ck, cu, cg = rest
             g.output(ck, f"commit_k.{i}", np.float32, [n, hv, dk])
@@ -295,7 +292,7 @@ class _Builder:
         dims = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         y, new_conv = self.ops.short_conv(qkv, conv_state, conv_w, n=n, k=c.linear_conv_kernel_dim,
                                           state_select=self.state_select, tree_select=self.tree_select)
-        if self.valid is not None and n != 1:  # a padded token neither decays nor writes the state
+        if self.valid is not None and n > 1:  # a padded token neither decays nor writes the state
             beta, decay = self.g.op("Mul", beta, self.valid), self.g.op("Mul", decay, self.valid)
         o, S_after, commit = self.ops.delta_rule(y, decay, beta, S, n=n, dims=dims, masks=self.masks,
                                                  tree=self.traits.tree, unit=unit)

@@ -49,6 +49,10 @@ class PlainOps:
     def short_conv(self, x: str, state: str, w_kc: str, *, n: int, k: int, state_select, tree_select):
         return emit_short_conv(self.g, x, state, w_kc, n, k, state_select, tree_select)
 
+    def state_out(self, S_after: str) -> str:
+        """The delta rule's new state as the graph outputs it ([Hv, Dk, Dv]), after any If."""
+        return S_after
+
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
                    unit: str | None):
         """y [n, 2·Hk·Dk + Hv·Dv] (the conv's q|k|v) -> (o [n, Hv, Dv], S_after, tree commit tensors)."""
@@ -81,6 +85,9 @@ class CpuOps(PlainOps):
     def softplus(self, x: str) -> str:
         return self.g.op("Softplus", x)  # the CPU's own is exact
 
+    def state_out(self, S_after: str) -> str:
+        return self.g.op("Squeeze", S_after, self.g.ints([0]))
+
     def gated_norm(self, o: str, z: str, weight: str, *, rows, hv: int, dv: int, unit: str | None) -> str:
         return emit_gated_rmsnorm_cpu(self.g, o, z, weight, self.eps)  # o already [rows, Hv·Dv]
 
@@ -92,7 +99,7 @@ class CpuOps(PlainOps):
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
                    unit: str | None):
-        """-> (o [n, Hv·Dv], S_after, None): ORT's LinearAttention, one token or a chunk."""
+        """-> (o [n, Hv·Dv], S_after [1, Hv, Dk, Dv], None): ORT's LinearAttention, one token or a chunk."""
         g, (hk, hv, dk, dv) = self.g, dims
         qk, v = g.split(y, [2 * hk * dk, hv * dv], axis=-1)
         o, S_after = emit_gated_delta_cpu(g, qk, v, gate, beta, S, n=n, hk=hk, hv=hv, dk=dk, dv=dv)

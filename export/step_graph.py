@@ -279,7 +279,7 @@ class _Builder:
         else:
             new_conv, S_after = rest
             g.output(new_conv, f"conv_state_out.{i}", np.float32, [c.conv_dim, k - 1])
-            g.output(S_after, f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
+            g.output(self.ops.state_out(S_after), f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
         norm_w = self.w(self.plan.vector(a + "norm.weight", dv))
         normed = self.ops.gated_norm(o, z, norm_w, rows=n if self.traits.rows == "static" else -1, hv=hv, dv=dv,
                                      unit=unit)

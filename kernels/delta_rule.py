@@ -217,4 +217,4 @@ def emit_gated_delta_cpu(g: GraphBuilder, qk: str, v: str, gate: str, beta: str,
     o, S_after = g.op("LinearAttention", q, k, g.reshape(v, [1, n, hv * dv]), g.unsqueeze(S, [0]),
                       g.reshape(gate, [1, n, hv]), g.reshape(beta, [1, n, hv]), n_out=2, domain=MS_DOMAIN,
                       q_num_heads=hv, kv_num_heads=hv, update_rule="gated_delta", scale=1.0 / math.sqrt(dk))
-    return g.reshape(o, [n, hv * dv]), g.op("Squeeze", S_after, g.ints([0]))
+    return g.reshape(o, [n, hv * dv]), S_after

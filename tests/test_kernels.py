@@ -85,7 +85,7 @@ def cpu_delta_graph(n):
              (("qk", [n, 2 * HK * DK]), ("v", [n, HV * DV]), ("g", [n, HV]), ("beta", [n, HV]), ("S", [HV, DK, DV]))]
     o, s_after = delta_rule.emit_gated_delta_cpu(gb, *names, n=n, hk=HK, hv=HV, dk=DK, dv=DV)
     gb.output(o, "o", np.float32, [n, HV * DV])
-    gb.output(s_after, "S_out", np.float32, [HV, DK, DV])
+    gb.output(gb.op("Squeeze", s_after, gb.ints([0])), "S_out", np.float32, [HV, DK, DV])
     return gb
 
 

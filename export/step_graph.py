@@ -1,7 +1,10 @@
 """The one graph family: advance the model by N new tokens given its state (design §3).
 
-N is static. Modes: a chain (prefill chunk N = C, decode N = 1) or a token tree (verify: the
-ancestor mask and conv selections come in as inputs, per-node commit tensors go out). A graph
+A graph is one of the Kinds below (KINDS: chain or tree, how many tokens a call brings, the op
+set it is written in): a chain (prefill chunk N = C, decode N = 1, the CPU's any-N graph) or a
+token tree (verify: the ancestor mask and conv selections come in as inputs, per-node commit
+tensors go out). The op set (export/graph_ops.py) is chosen once per graph: ORT's fused CPU
+kernels, plain HTP-safe ops, or those for an NPU part. A graph
 may cover a contiguous layer range (parts for the NPU): the first part embeds ids, the last
 applies the head. The host feeds what is cheap there: rotary cos/sin, the additive attention
 mask, the token-validity vector (a padded token writes no state), conv selections.

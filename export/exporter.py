@@ -33,7 +33,7 @@ from .out_dir import check_output, finish_partial, make_partial, os_error_line, 
 from .parts import htp_itemsize, plan_parts
 from .qdq import NPU_QUANT_MODES, quantize_parts, read_calibration
 from .quantize import quant_spec
-from .step_graph import StepSpec, build_step_graph
+from .step_graph import Kind, StepSpec, build_step_graph
 from .weights import WeightPlan
 
 WEIGHTS_FILE = "weights.bin"
@@ -45,17 +45,16 @@ MAX_CHUNK = 4096  # the prefill graph's scores are [C, T + C] per head: 4096 is 
 def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
     """prefill (chain, C tokens), decode (1 token), verify (a token tree of `verify` nodes:
     logits, commit tensors and taps for every node, for speculative decoding).
-    Only decode takes ORT's fused CPU kernels and the one-token delta step: measured on Qwen3.5-0.8B
-    int4 head-4, decode 14.4 -> 17.5 tok/s for the kernels (3,222 -> 2,089 nodes; 1,675 with the
-    step; README) with prefill unchanged (MatMulNBits dominates it), and a plain prefill graph can
-    still run whole on the NPU (runtime/npu_sessions.py)."""
-    specs = {"prefill": StepSpec(n=chunk), "decode": StepSpec(n=1, cpu_kernels=True),
-             "verify": StepSpec(n=verify, tree=True, all_logits=True)}
+    decode and the any-N "cpu" graph are written in ORT's fused CPU kernels (step_graph.KINDS,
+    graph_ops.CpuOps; measured in docs/cpu-speed.md); prefill and verify stay in plain HTP-safe ops,
+    so a prefill graph can still run whole on the NPU (runtime/npu_sessions.py)."""
+    specs = {"prefill": StepSpec(Kind.PREFILL, chunk), "decode": StepSpec(Kind.DECODE, 1),
+             "verify": StepSpec(Kind.VERIFY, verify)}
     if chunk > 1:  # the CPU runs prefill chunks and decode tokens through this one: one prepacked copy
-        specs["cpu"] = StepSpec(n=chunk, cpu_kernels=True, any_n=True)
+        specs["cpu"] = StepSpec(Kind.ANY_N, chunk)
     # the CPU verifies through a graph sized to the draft (a 3-token chain need not pay for 32 nodes);
     # the NPU keeps the static `verify`
-    specs["cpu_verify"] = StepSpec(n=verify, tree=True, all_logits=True, tree_sizes=verify_sizes(verify))
+    specs["cpu_verify"] = StepSpec(Kind.SIZED_VERIFY, verify, tree_sizes=verify_sizes(verify))
     return specs
 
 
@@ -237,7 +236,7 @@ def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, gra
     for graph, spec in npu_specs.items():
         names = [graph + suffix for suffix in part_suffixes]
         qdq = quantize_parts(cfg, [float_dir / f"{nm}.onnx" for nm in names], [graphs_dir / f"{nm}.onnx" for nm in names],
-                             ids, spec.n, spec.tree, quant.bits, say, head_bits=quant.head_bits)
+                             ids, spec.n, spec.traits.tree, quant.bits, say, head_bits=quant.head_bits)
         for nm in names:
             graphs[nm]["nodes"] = len(onnx.load(str(graphs_dir / f"{nm}.onnx"), load_external_data=False).graph.node)
     shutil.rmtree(float_dir)

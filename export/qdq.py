@@ -134,13 +134,9 @@ def quantize_graph(src: Path, dst: Path, feeds: Iterator[dict], bits: int, head_
 def quantize_parts(cfg: ModelConfig, float_files: list[Path], out_files: list[Path], ids: list[int], n: int,
                    tree: bool, bits: int, say=lambda m: None, head_bits: int = 8) -> dict:
     """Quantise each float part into its QDQ twin, calibrated on what it is fed over `ids`."""
-    import onnxruntime as ort
+    from hybrid_npu.runtime.for_export import Pipeline, cpu_inference_session
 
-    from hybrid_npu.runtime.for_export import Pipeline
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    pipe = Pipeline([ort.InferenceSession(str(f), opts, providers=["CPUExecutionProvider"]) for f in float_files], "CPU")
+    pipe = Pipeline([cpu_inference_session(f) for f in float_files], "CPU")
     for k, (src, dst) in enumerate(zip(float_files, out_files)):
         done, kept = quantize_graph(src, dst, part_inputs(cfg, pipe, ids, n, tree, k), bits, head_bits)
         say(f"quantised {dst.name}: {done} linear layers w{bits}a16, {kept} kept float")

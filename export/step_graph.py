@@ -1,7 +1,10 @@
 """The one graph family: advance the model by N new tokens given its state (design §3).
 
-N is static. Modes: a chain (prefill chunk N = C, decode N = 1) or a token tree (verify: the
-ancestor mask and conv selections come in as inputs, per-node commit tensors go out). A graph
+A graph is one of the Kinds below (KINDS: chain or tree, how many tokens a call brings, the op
+set it is written in): a chain (prefill chunk N = C, decode N = 1, the CPU's any-N graph) or a
+token tree (verify: the ancestor mask and conv selections come in as inputs, per-node commit
+tensors go out). The op set (export/graph_ops.py) is chosen once per graph: ORT's fused CPU
+kernels, plain HTP-safe ops, or those for an NPU part. A graph
 may cover a contiguous layer range (parts for the NPU): the first part embeds ids, the last
 applies the head. The host feeds what is cheap there: rotary cos/sin, the additive attention
 mask, the token-validity vector (a padded token writes no state), conv selections.
@@ -21,6 +24,7 @@ I/O names (stable; the manifest lists them with shapes):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 import onnx
@@ -28,43 +32,75 @@ import onnx
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.kernels.attention import emit_gqa_attention
-from hybrid_npu.kernels.conv import chain_state_select, emit_short_conv, emit_short_conv_step_cpu
-from hybrid_npu.kernels.delta_rule import emit_gated_delta, emit_gated_delta_step
+from hybrid_npu.kernels.conv import chain_state_select
 from hybrid_npu.kernels.graph import GraphBuilder
-from hybrid_npu.kernels.norms import (emit_add_rmsnorm_1p_cpu, emit_gated_rmsnorm, emit_gated_rmsnorm_cpu,
-                                      emit_rmsnorm_1p, emit_rmsnorm_1p_cpu)
 from hybrid_npu.kernels.rope import emit_partial_rope
 
+from .graph_ops import OP_SETS
 from .quantize import plan_quantized_linear
 from .weights import WeightPlan
 
 PAST, MASK_LEN = PAST_DIM, MASK_DIM
 
 
+class Kind(Enum):
+    PREFILL = "prefill"            # a chain chunk of n tokens (the NPU's parts are cut from it)
+    DECODE = "decode"              # one token
+    ANY_N = "any_n"                # the CPU's graph: one token (decode) or a chunk of n (prefill) per call,
+    #                                the N-specific cores under If and the weight matmuls outside, so one
+    #                                session prepacks the weights once
+    VERIFY = "verify"              # a token tree of n nodes: every node's logits, taps and commit tensors
+    SIZED_VERIFY = "sized_verify"  # the CPU's verify graph: a tree of any of tree_sizes nodes per call (the
+    #                                host pads a tree up to the next size); each size's cores under If
+
+
+@dataclass(frozen=True)
+class Traits:
+    tree: bool   # a token tree (ancestor mask in; every node's logits and commit tensors out), else a chain
+    rows: str    # the I/O's token dim: "static" (n), "any" (1 or n per call), "sizes" (one of tree_sizes)
+    ops: str     # the op set on the CPU (graph_ops.OP_SETS); an NPU part takes "npu"
+    whole: bool  # the whole model only, never a layer range
+
+
+KINDS = {
+    Kind.PREFILL: Traits(tree=False, rows="static", ops="plain", whole=False),
+    Kind.DECODE: Traits(tree=False, rows="static", ops="cpu", whole=False),
+    Kind.ANY_N: Traits(tree=False, rows="any", ops="cpu", whole=True),
+    Kind.VERIFY: Traits(tree=True, rows="static", ops="plain", whole=False),
+    Kind.SIZED_VERIFY: Traits(tree=True, rows="sizes", ops="plain", whole=True),
+}
+
+
 @dataclass(frozen=True)
 class StepSpec:
-    n: int                       # new tokens per call (static)
+    kind: Kind
+    n: int                            # new tokens per call (static; the largest for any / sizes)
     first_layer: int = 0
-    end_layer: int | None = None  # exclusive; None = all layers
-    tree: bool = False
-    all_logits: bool = False     # logits for every token (verify) or only last_index (prefill/decode)
-    npu: bool = False            # an NPU part: the HTP's MatMulNBits takes only 3-D inputs
-    cpu_kernels: bool = False    # the decode graph (N = 1, CPU only): norms and the short conv as ONNX
-    #                              Runtime's fused CPU kernels, contrib ops the HTP does not have
-    any_n: bool = False          # the CPU graph: one token (the decode graph's cores) or a chunk of n
-    #                              (the prefill graph's) per call, its N-specific cores under If and the
-    #                              weight matmuls outside, so one session prepacks the weights once
-    tree_sizes: tuple[int, ...] = ()  # the CPU verify graph: a tree of any of these sizes per call (the
-    #                              host pads a tree up to the next one); each size's cores under If
+    end_layer: int | None = None      # exclusive; None = all layers
+    npu: bool = False                 # an NPU part: the "npu" op set
+    tree_sizes: tuple[int, ...] = ()  # SIZED_VERIFY: the tree sizes, the largest n
 
     def __post_init__(self):
-        if self.cpu_kernels and (self.n != 1 and not self.any_n or self.tree or self.npu):
-            raise ValueError("cpu_kernels is the one-token CPU decode graph's")
-        if self.any_n and not (self.cpu_kernels and self.n > 1 and not self.first_layer and self.end_layer is None):
-            raise ValueError("any_n is the whole CPU graph's, with cpu_kernels and a chunk n > 1")
-        if self.tree_sizes and not (self.tree and not self.npu and not self.first_layer and self.end_layer is None
-                                    and max(self.tree_sizes) == self.n and min(self.tree_sizes) >= 2):
-            raise ValueError("tree_sizes is the whole CPU verify graph's, sizes >= 2 up to n")
+        t = self.traits
+        if t.whole and (self.first_layer or self.end_layer is not None):
+            raise ValueError(f"a {self.kind.value} graph is the whole model's")
+        if self.npu and t.ops != "plain":
+            raise ValueError(f"a {self.kind.value} graph runs on the CPU only (its ops are ORT's CPU kernels)")
+        if self.kind == Kind.DECODE and self.n != 1:
+            raise ValueError("a decode graph takes one token")
+        if self.kind == Kind.ANY_N and self.n < 2:
+            raise ValueError("the any-N graph's chunk n is > 1")
+        if (self.kind == Kind.SIZED_VERIFY) != bool(self.tree_sizes) or self.tree_sizes and (
+                max(self.tree_sizes) != self.n or min(self.tree_sizes) < 2):
+            raise ValueError("tree_sizes is the sized verify graph's (and only its), sizes >= 2 up to n")
+
+    @property
+    def traits(self) -> Traits:
+        return KINDS[self.kind]
+
+    @property
+    def all_logits(self) -> bool:  # a tree's every node is a candidate; a chain needs only last_index's
+        return self.traits.tree
 
     def layers(self, cfg: ModelConfig) -> range:
         return range(self.first_layer, cfg.num_layers if self.end_layer is None else self.end_layer)
@@ -72,11 +108,11 @@ class StepSpec:
 
 class _Builder:
     def __init__(self, cfg: ModelConfig, plan: WeightPlan, spec: StepSpec, name: str):
-        self.cfg, self.plan, self.spec = cfg, plan, spec
+        self.cfg, self.plan, self.spec, self.traits = cfg, plan, spec, spec.traits
         self.g = GraphBuilder(name)
+        self.ops = OP_SETS["npu" if spec.npu else self.traits.ops](self.g, cfg.rms_norm_eps)
         self.n = spec.n
-        self.sized = bool(spec.tree_sizes)
-        self.rows = "n" if spec.any_n or self.sized else spec.n  # N in the graph's I/O shapes
+        self.rows = spec.n if self.traits.rows == "static" else "n"  # N in the graph's I/O shapes
 
     def declare(self, stored: str) -> str:
         entry = self.plan.entries[stored]
@@ -97,26 +133,39 @@ class _Builder:
             y = self.g.op("Gemm", x, self.w(self.plan.linear_weight(name, sources, in_dim, out_dims)), transB=1)
         else:
             ql = plan_quantized_linear(self.plan, name, sources, in_dim, out_dims, bits or q.bits, q)
-            x3 = self.g.unsqueeze(x, [0]) if self.spec.npu else x  # "Unsupported input A rank, expecting 3D"
-            y = self.g.matmul_nbits(x3, self.declare(ql.b), self.declare(ql.scales),
-                                    self.declare(ql.zero_points) if ql.zero_points else None,
+            rank3 = self.ops.rank3_matmul
+            y = self.g.matmul_nbits(self.g.unsqueeze(x, [0]) if rank3 else x, self.declare(ql.b),
+                                    self.declare(ql.scales), self.declare(ql.zero_points) if ql.zero_points else None,
                                     k=ql.k, n=ql.n, bits=ql.bits, block_size=ql.block_size)
-            y = self.g.op("Squeeze", y, self.g.ints([0])) if self.spec.npu else y
+            y = self.g.op("Squeeze", y, self.g.ints([0])) if rank3 else y
         return [y] if len(out_dims) == 1 else self.g.split(y, out_dims, axis=-1)
 
     def norm1p(self, x: str, src: str, size: int) -> str:
-        emit = emit_rmsnorm_1p_cpu if self.spec.cpu_kernels else emit_rmsnorm_1p
-        return emit(self.g, x, self.w(self.plan.vector(src, size)), self.cfg.rms_norm_eps)
+        return self.ops.norm1p(x, self.w(self.plan.vector(src, size)))
 
     def add_norm1p(self, x: str, delta: str | None, src: str) -> tuple[str, str]:
-        """(x + delta, its RMSNorm1p): the residual add and the next norm, one node on the CPU."""
+        """(x + delta, its RMSNorm1p): the residual add and the next norm (one node on the CPU)."""
         if delta is None:
             return x, self.norm1p(x, src, self.cfg.hidden_size)
-        if self.spec.cpu_kernels:
-            return emit_add_rmsnorm_1p_cpu(self.g, x, delta, self.w(self.plan.vector(src, self.cfg.hidden_size)),
-                                           self.cfg.rms_norm_eps)
-        x = self.g.op("Add", x, delta)
-        return x, self.norm1p(x, src, self.cfg.hidden_size)
+        return self.ops.add_norm1p(x, delta, self.w(self.plan.vector(src, self.cfg.hidden_size)))
+
+    def per_call(self, core) -> list[str]:
+        """core(m) -> output names for m new tokens, for the token counts a call may bring: n (static),
+        1 or n under If (any), one of the tree sizes under nested Ifs (sizes, the largest innermost)."""
+        g, rows = self.g, self.traits.rows
+        if rows == "static":
+            return core(self.n)
+        counts = [1, self.n] if rows == "any" else sorted(self.spec.tree_sizes)
+
+        def pick(j: int) -> list[str]:
+            if j == len(counts) - 1:
+                return core(counts[j])
+            with g.capture() as then:
+                outs = core(counts[j])
+            with g.capture() as other:
+                rest = pick(j + 1)
+            return g.if_(self.count_is[counts[j]], (then, outs), (other, rest))
+        return pick(0)
 
     # ---------------------------------------------------------------- graph
     def build(self) -> GraphBuilder:
@@ -126,11 +175,10 @@ class _Builder:
         attn_layers = [i for i in layers if c.layer_types[i] != LINEAR]
         if spec.first_layer == 0:
             ids = g.input("input_ids", np.int64, [n])
-            if spec.any_n:  # the one-token cores run when the call brings one token
-                self.one = g.op("Equal", g.op("Shape", ids, start=0, end=1), g.ints([1]))
-            if self.sized:  # which size's cores run
+            if self.traits.rows != "static":  # which cores run: by the call's token count
                 count = g.op("Shape", ids, start=0, end=1)
-                self.size_is = {m: g.op("Equal", count, g.ints([m])) for m in spec.tree_sizes}
+                counts = [1] if self.traits.rows == "any" else sorted(spec.tree_sizes)[:-1]
+                self.count_is = {m: g.op("Equal", count, g.ints([m])) for m in counts}
             table = self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size))
             if not self.plan.quantizable:
                 x = g.op("Gather", self.w(table), ids, axis=0)
@@ -141,7 +189,7 @@ class _Builder:
         self.valid = None
         if gdn_layers and self.n > 1:
             self.valid = g.unsqueeze(g.input("token_valid", np.float32, [n]), [1])
-            if spec.any_n:  # a one-token call need not feed it (its default: valid)
+            if self.traits.rows == "any":  # a one-token call need not feed it (its default: valid)
                 g.initializers["token_valid"] = np.ones(1, np.float32)
         if attn_layers:
             rd = c.rotary_dim
@@ -149,7 +197,7 @@ class _Builder:
             self.sin = g.unsqueeze(g.input("rope_sin", np.float32, [n, rd]), [1])
             self.attn_mask = g.input("attn_mask", np.float32, [n, MASK_LEN])
         if gdn_layers:
-            self._gdn_masks()
+            self._gdn_selections()
         down = None  # the last MLP's output, added to the residual together with the next norm
         for i in layers:
             p = f"layers.{i}."
@@ -170,30 +218,31 @@ class _Builder:
             g.output(x, "hidden_out", np.float32, [n, c.hidden_size])
         return g
 
-    def _gdn_masks(self):
+    def _gdn_selections(self):
+        """The conv's selections (host inputs) and the masked delta rule's masks (none on the CPU ops)."""
         c, g, n = self.cfg, self.g, self.n
         k = c.linear_conv_kernel_dim
-        if self.spec.tree:
+        self.state_select = self.tree_select = None
+        self.masks = None
+        if self.traits.tree:
             m = g.input("tree_mask", np.float32, [self.rows, self.rows])
-            self.mask, self.mask_t = m, g.transpose(m, [1, 0])
-            if self.sized:  # the diagonal of whatever size the call brings
-                self.strict = g.op("Sub", m, g.op("Mul", m, g.op("EyeLike", m)))
+            if self.traits.rows == "sizes":  # the diagonal of whatever size the call brings
+                strict = g.op("Sub", m, g.op("Mul", m, g.op("EyeLike", m)))
             else:
-                self.strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
-            self.tree_select = g.input("conv_tree_select", np.float32, [k - 1, n, k - 1 + n] if not self.sized
-                                       else [k - 1, "n", "k_minus_1_plus_n"])
-            self.state_select = None
-        else:
+                strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
+            self.masks = (m, g.transpose(m, [1, 0]), strict)
+            self.tree_select = g.input("conv_tree_select", np.float32, [k - 1, n, k - 1 + n]
+                                       if self.traits.rows == "static" else [k - 1, "n", "k_minus_1_plus_n"])
+            return
+        if not self.ops.chain_only:
             causal = np.tril(np.ones((n, n), dtype=np.float32))
-            self.mask, self.mask_t = g.const(causal), g.const(causal.T)
-            self.strict = g.const(np.tril(causal, -1)) if n > 1 else None
-            self.tree_select = None
-            self.state_select = None
-            if n > 1:
-                self.state_select = g.input("conv_state_select", np.float32,
-                                            [k - 1, "k_minus_1_plus_n" if self.spec.any_n else k - 1 + n])
-                if self.spec.any_n:  # a one-token call does not read it; the default keeps the feed optional
-                    g.initializers["conv_state_select"] = chain_state_select(1, 1, k)
+            self.masks = (g.const(causal), g.const(causal.T), g.const(np.tril(causal, -1)) if n > 1 else None)
+        if n > 1:
+            any_n = self.traits.rows == "any"
+            self.state_select = g.input("conv_state_select", np.float32, [k - 1, "k_minus_1_plus_n" if any_n
+                                                                         else k - 1 + n])
+            if any_n:  # a one-token call does not read it; the default keeps the feed optional
+                g.initializers["conv_state_select"] = chain_state_select(1, 1, k)
 
     def gdn(self, h: str, i: int) -> str:
         c, g, n = self.cfg, self.g, self.rows
@@ -213,74 +262,43 @@ class _Builder:
         beta = g.op("Sigmoid", b)
         # g = -exp(A_log) * softplus(a + dt_bias)
         a_in = g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv)))
-        sp = g.op("Softplus", a_in) if self.spec.cpu_kernels else g.softplus(a_in)  # the CPU's own is exact
-        decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), sp)
+        decay = g.op("Mul", g.op("Neg", g.op("Exp", self.w(self.plan.vector(a + "A_log", hv)))), self.ops.softplus(a_in))
         unit = None
-        if not self.spec.cpu_kernels:  # prefill and verify (the NPU's graphs): the state comes in per-head
-            # units (runtime/pipeline.py: 1 on the CPU; on the NPU chosen so no value beyond fp16
-            # enters the HTP). A plain input, not an initializer default: QNN context binaries drop those
+        if self.ops.state_units:  # the state comes in per-head units (runtime/pipeline.py: 1 on the CPU; on
+            # the NPU chosen so no value beyond fp16 enters the HTP). A plain input, not an initializer
+            # default: QNN context binaries drop those
             unit = g.reshape(g.input(f"recurrent_scale.{i}", np.float32, [hv]), [hv, 1, 1])
-        core = (qkv, conv_state, conv_w, S, beta, decay)
-        if self.spec.any_n:
-            with g.capture() as one:
-                o1, conv1, S1, _ = self._gdn_core(*core, n=1, step=True)
-                o1 = g.reshape(o1, [1, hv * dv])
-            with g.capture() as chunk:
-                o2, conv2, S2, _ = self._gdn_core(*core, n=self.n, step=False)
-                o2 = g.reshape(o2, [self.n, hv * dv])
-            o, new_conv, S_after = g.if_(self.one, (one, [o1, conv1, S1]), (chunk, [o2, conv2, S2]))
-        elif self.sized:
-            def sized_core(m):
-                o_m, _, _, (ck_m, cu_m, cg_m) = self._gdn_core(*core, n=m, step=False)
-                return [g.reshape(o_m, [m, hv, dv]), ck_m, cu_m, cg_m]
-            o, *commit = self._by_size(sized_core)
-        else:
-            o, new_conv, S_after, commit = self._gdn_core(*core, n=self.n, step=self.spec.cpu_kernels, unit=unit)
-        if self.spec.tree:
-            ck, cu, cg = commit
+
+        def core(m: int) -> list[str]:
+            o, new_conv, S_after, commit = self._gdn_core(qkv, conv_state, conv_w, S, beta, decay, n=m, unit=unit)
+            return [o, *commit] if self.traits.tree else [o, new_conv, S_after]
+        o, *rest = self.per_call(core)
+        if self.traits.tree:
+            ck, cu, cg = rest
             g.output(ck, f"commit_k.{i}", np.float32, [n, hv, dk])
             g.output(cu, f"commit_u.{i}", np.float32, [n, hv, dv])
             g.output(cg, f"commit_g.{i}", np.float32, [n, hv])
             g.output(qkv, f"pre_conv.{i}", np.float32, [n, c.conv_dim])
         else:
+            new_conv, S_after = rest
             g.output(new_conv, f"conv_state_out.{i}", np.float32, [c.conv_dim, k - 1])
-            g.output(S_after, f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
+            g.output(self.ops.state_out(S_after), f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
         norm_w = self.w(self.plan.vector(a + "norm.weight", dv))
-        if self.spec.any_n:
-            normed = emit_gated_rmsnorm_cpu(g, o, z, norm_w, c.rms_norm_eps)
-        elif self.spec.cpu_kernels:
-            normed = emit_gated_rmsnorm_cpu(g, g.reshape(o, [n, hv * dv]), z, norm_w, c.rms_norm_eps)
-        else:  # o in the state's units u: the norm takes eps/u² (u⁻¹ by 1/√u twice, flushed to 0 when negligible)
-            eps_scale = None
-            if unit is not None:
-                ru = g.op("Reciprocal", g.op("Sqrt", g.reshape(unit, [hv, 1])))
-                ru2 = g.op("Mul", ru, ru)
-                eps_scale = g.op("Mul", ru2, ru2)
-            rows = -1 if self.sized else n
-            normed = g.reshape(emit_gated_rmsnorm(g, o, g.reshape(z, [rows, hv, dv]), norm_w, c.rms_norm_eps,
-                                                  eps_scale), [rows, hv * dv])
+        normed = self.ops.gated_norm(o, z, norm_w, rows=n if self.traits.rows == "static" else -1, hv=hv, dv=dv,
+                                     unit=unit)
         return self.linear(normed, a + "out_proj", [a + "out_proj.weight"], hv * dv, [c.hidden_size])[0]
 
-    def _gdn_core(self, qkv, conv_state, conv_w, S, beta, decay, *, n: int, step: bool, unit: str | None = None):
-        """The short conv and the delta rule over n tokens: (o [n, Hv, Dv], conv state out, S_after,
-        tree commit tensors). step: one token through the CPU's fused conv and the recurrence itself."""
-        c, g = self.cfg, self.g
-        hk, hv, dk, dv, k = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                             c.linear_value_head_dim, c.linear_conv_kernel_dim)
-        if step:
-            y, new_conv = emit_short_conv_step_cpu(g, qkv, conv_state, conv_w)
-        else:
-            y, new_conv = emit_short_conv(g, qkv, conv_state, conv_w, n, k, self.state_select, self.tree_select)
-        q, kk, v = g.split(y, [c.key_dim, c.key_dim, c.value_dim], axis=-1)
-        q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
-        if step:  # one token: the recurrence itself, not the masked form
-            o, S_after = emit_gated_delta_step(g, q, kk, v, decay, beta, S, hk=hk, hv=hv, dk=dk, dv=dv)
-            return o, new_conv, S_after, None
-        if self.valid is not None:  # a padded token neither decays nor writes the state
-            beta, decay = g.op("Mul", beta, self.valid), g.op("Mul", decay, self.valid)
-        o, S_after, commit = emit_gated_delta(g, q, kk, v, decay, beta, S, self.mask, self.mask_t, self.strict, n=n,
-                                              hk=hk, hv=hv, dk=dk, dv=dv, chain_state=not self.spec.tree,
-                                              state_unit=unit)
+    def _gdn_core(self, qkv, conv_state, conv_w, S, beta, decay, *, n: int, unit: str | None):
+        """The short conv and the delta rule over n tokens: (o, conv state out, S_after, tree commit
+        tensors); o as the op set's gated_norm takes it."""
+        c = self.cfg
+        dims = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        y, new_conv = self.ops.short_conv(qkv, conv_state, conv_w, n=n, k=c.linear_conv_kernel_dim,
+                                          state_select=self.state_select, tree_select=self.tree_select)
+        if self.valid is not None and n > 1:  # a padded token neither decays nor writes the state
+            beta, decay = self.g.op("Mul", beta, self.valid), self.g.op("Mul", decay, self.valid)
+        o, S_after, commit = self.ops.delta_rule(y, decay, beta, S, n=n, dims=dims, masks=self.masks,
+                                                 tree=self.traits.tree, unit=unit)
         return o, new_conv, S_after, commit
 
     def attention(self, h: str, i: int) -> str:
@@ -291,34 +309,10 @@ class _Builder:
                                c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
         past = (g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd]),
                 g.input(f"past_value.{i}", np.float32, [nkv, PAST, hd]))
-        if self.spec.any_n:
-            with g.capture() as one:
-                r1 = self._attention_core(qg, k, v, *past, a, n=1)
-            with g.capture() as chunk:
-                r2 = self._attention_core(qg, k, v, *past, a, n=self.n)
-            gated, new_k, new_v = g.if_(self.one, (one, list(r1)), (chunk, list(r2)))
-        elif self.sized:
-            gated, new_k, new_v = self._by_size(lambda m: list(self._attention_core(qg, k, v, *past, a, n=m)))
-        else:
-            gated, new_k, new_v = self._attention_core(qg, k, v, *past, a, n=self.n)
+        gated, new_k, new_v = self.per_call(lambda m: list(self._attention_core(qg, k, v, *past, a, n=m)))
         g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
         g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
         return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
-
-    def _by_size(self, core) -> list[str]:
-        """core(m) -> outputs, for each tree size m, chosen by the call's token count: nested Ifs,
-        the largest size in the innermost else."""
-        g, sizes = self.g, sorted(self.spec.tree_sizes)
-
-        def pick(j: int) -> list[str]:
-            if j == len(sizes) - 1:
-                return core(sizes[j])
-            with g.capture() as then:
-                outs = core(sizes[j])
-            with g.capture() as other:
-                rest = pick(j + 1)
-            return g.if_(self.size_is[sizes[j]], (then, outs), (other, rest))
-        return pick(0)
 
     def _attention_core(self, qg, k, v, past_k, past_v, a: str, *, n: int):
         """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""

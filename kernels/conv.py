@@ -109,3 +109,18 @@ def emit_short_conv_step_cpu(g: GraphBuilder, x: str, state: str, w_kc: str):
     y, new_state = g.op("CausalConvWithState", g.reshape(x, [1, -1, 1]), w, "", g.unsqueeze(state, [0]), n_out=2,
                         domain=MS_DOMAIN, activation="silu")
     return g.reshape(y, [1, -1]), g.op("Squeeze", new_state, g.ints([0]))
+
+
+def emit_short_conv_cpu(g: GraphBuilder, x: str, state: str, w_kc: str, state_select: str):
+    """A chunk of N tokens (the any-N CPU graph's; N may be dynamic) through CausalConvWithState with
+    channels_last (x [N, C] is its [1, N, C] as it lies), SiLU fused: 7 nodes where the plain form
+    takes ~17 (K slices, products and sums).
+    The op's own new state would include a chunk's padded tail, so the new state is picked by
+    state_select [K-1, K-1+N] among [state columns; inputs], as in emit_short_conv.
+    x [N, C], state [C, K-1], w_kc [K, C]; returns (y [N, C], new state [C, K-1])."""
+    state_t = g.transpose(state, [1, 0])  # [K-1, C]: the window, oldest first
+    w = g.unsqueeze(g.transpose(w_kc, [1, 0]), [1])  # [C, 1, K]: constant, folded at load
+    y, _ = g.op("CausalConvWithState", g.unsqueeze(x, [0]), w, "", g.unsqueeze(state_t, [0]), n_out=2,
+                domain=MS_DOMAIN, activation="silu", channels_last=1)
+    new_state = g.matmul(state_select, g.op("Concat", state_t, x, axis=0))
+    return g.op("Squeeze", y, g.ints([0])), g.transpose(new_state, [1, 0])

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from .graph import GraphBuilder
+from .graph import MS_DOMAIN, GraphBuilder
 
 L2_EPS = 1e-6
 STATE_SCALED_PEAK = 64.0  # the largest |S| or |V| entry the chunked form computes with (see emit_gated_delta)
@@ -193,23 +193,28 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     return g.transpose(O, [1, 0, 2]), S_after, commit
 
 
-def emit_gated_delta_step(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: str, S: str, *,
-                          hk: int, hv: int, dk: int, dv: int) -> tuple[str, str]:
-    """One token, the recurrence itself (the CPU decode graph): returns (o [1, Hv, Dv], S_after).
+def emit_gated_delta_cpu(g: GraphBuilder, qk: str, v: str, gate: str, beta: str, S: str, *,
+                         n: int, hk: int, hv: int, dk: int, dv: int) -> tuple[str, str]:
+    """N tokens of a chain (one, or a chunk) through ONNX Runtime's CPU kernel LinearAttention
+    (com.microsoft, update_rule gated_delta: the recurrence of gated_delta_recurrent_ref, token by
+    token); the CPU graphs only, the HTP has no such op. qk [N, 2·Hk·Dk] (q then k, as the conv
+    gives them), v [N, Hv·Dv], gate / beta [N, Hv], S [Hv, Dk, Dv]; returns (o [N, Hv·Dv], S_after).
 
-        k̂S, q̂S = one MatMul of [k̂; q̂] with S     u = β (v - e^g k̂S)
-        S_after = e^g S + k̂ uᵀ                     o = q̂·S_after = e^g q̂S + (q̂·k̂) u
-
-    The masked form at N = 1 spends ~50 nodes per layer on 1×1 masks and reads S twice; this
-    reads it once for both products."""
+    l2n(x) = x / sqrt(Σx² + ε) = RMSNorm(x; ε/D)·D^-1/2: q and k are normalised by one node, and
+    the op's own scale (Dk^-1/2) is q's factor. Measured on Qwen3.5-0.8B shapes (2 threads, 18 or 6
+    layers, docs/cpu-speed.md): as fast as the hand-written one-token step with ~25 fewer nodes a
+    layer, and 2.7x faster than the masked chunk form at N = 128 (the recurrence itself, no N×N
+    system). LinearAttention's GQA shares a state among query heads, the reverse of Qwen3.5 (one
+    key head serves Hv/Hk value heads, each with its own state), so the key heads are repeated."""
+    g.require_opset(23)
     r = hv // hk
-    Q = g.reshape(_emit_repeat_heads(g, g.op("Mul", _emit_l2n(g, q), g.const(1.0 / math.sqrt(dk))), 1, hk, r, dk),
-                  [hv, 1, dk])
-    K = g.reshape(_emit_repeat_heads(g, _emit_l2n(g, k), 1, hk, r, dk), [hv, 1, dk])
-    eg = g.reshape(g.op("Exp", gate), [hv, 1, 1])  # the log decay is <= 0: no overflow
-    kS, qS = g.split(g.matmul(g.op("Concat", K, Q, axis=1), S), [1, 1], axis=1)  # [Hv, 1, Dv] each
-    u = g.op("Mul", g.reshape(beta, [hv, 1, 1]), g.op("Sub", g.reshape(v, [hv, 1, dv]), g.op("Mul", eg, kS)))
-    S_after = g.op("Add", g.op("Mul", eg, S), g.matmul(g.reshape(K, [hv, dk, 1]), u))
-    qk = g.op("ReduceSum", g.op("Mul", Q, K), g.ints([-1]), keepdims=1)  # [Hv, 1, 1]
-    o = g.op("Add", g.op("Mul", eg, qS), g.op("Mul", qk, u))
-    return g.reshape(o, [1, hv, dv]), S_after
+    unit = g.const(np.full(dk, 1.0 / math.sqrt(dk), np.float32))
+    qk = g.op("RMSNormalization", g.reshape(qk, [n, 2 * hk, dk]), unit, axis=-1, epsilon=L2_EPS / dk)
+    q, k = g.split(g.reshape(qk, [1, n, 2 * hk * dk]), [hk * dk, hk * dk], axis=-1)
+    if r > 1:  # Expand broadcasts the token dim: n may be -1 (dynamic)
+        q, k = (g.reshape(g.op("Expand", g.reshape(x, [n, hk, 1, dk]), g.ints([1, hk, r, dk])), [1, n, hv * dk])
+                for x in (q, k))
+    o, S_after = g.op("LinearAttention", q, k, g.reshape(v, [1, n, hv * dv]), g.unsqueeze(S, [0]),
+                      g.reshape(gate, [1, n, hv]), g.reshape(beta, [1, n, hv]), n_out=2, domain=MS_DOMAIN,
+                      q_num_heads=hv, kv_num_heads=hv, update_rule="gated_delta", scale=1.0 / math.sqrt(dk))
+    return g.reshape(o, [n, hv * dv]), S_after

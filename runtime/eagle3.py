@@ -22,12 +22,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT as FORMAT, DRAFTER_MANIFEST as MANIFEST
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.rope import rope_tables
+
+from .session_options import cpu_inference_session, session_options
 
 OBSERVE_CHUNK = 64  # positions per observe call: bounds the [N, capacity + N] score scratch
 MIN_CAPACITY = 64
@@ -73,16 +74,12 @@ class Eagle3Drafter:
         self.tap_width = len(self.input_order) * c["target_hidden_size"]
         from safetensors.numpy import load_file
         self.draft_to_target = load_file(str(self.path / self.manifest["vocab"]["file"]))["draft_to_target"]
-        opts = ort.SessionOptions()
         # A small drafter's calls are too short to split: on 2 cores, the embedded 6.6 MB drafter
         # proposed a depth-6 chain in 7.7 ms on one thread against ~20 ms on two (thread hand-offs).
         weights = sum(f.stat().st_size for f in self.path.glob("*.bin"))
-        threads = 1 if weights < SINGLE_THREAD_BELOW_BYTES else threads
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3
-        self.fc = ort.InferenceSession(str(self.path / "drafter_fc.onnx"), opts, providers=["CPUExecutionProvider"])
-        self.step = ort.InferenceSession(str(self.path / "drafter.onnx"), opts, providers=["CPUExecutionProvider"])
+        opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)
+        self.fc = cpu_inference_session(self.path / "drafter_fc.onnx", opts)
+        self.step = cpu_inference_session(self.path / "drafter.onnx", opts)
         self.reset()
 
     # ---------------------------------------------------------------- state

@@ -8,6 +8,8 @@ import os
 import numpy as np
 import onnxruntime as ort
 
+from .session_options import cpu_inference_session, session_options
+
 
 def cpu_graph(graphs: dict, name: str) -> str:
     """The export graph a CPU step `name` runs: prefill and decode share the any-N "cpu" graph
@@ -18,22 +20,9 @@ def cpu_graph(graphs: dict, name: str) -> str:
     return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
 
 
-def set_spinning(opts: ort.SessionOptions) -> None:
-    """Whether intra-op workers spin between kernels (ORT's default) or sleep: HYBRID_NPU_SPINNING=0
-    for a machine whose cores are busy with other work. Measured on 2 cores, int4, paired A/B
-    (docs/cpu-speed.md): with the VM loaded by other work, not spinning was 1.28x prefill / 1.76x
-    decode faster; with it quiet, spinning was 1.04x / 1.11x faster, so the default stays ORT's."""
-    if os.environ.get("HYBRID_NPU_SPINNING") == "0":
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-
-
 def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
     """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
-    set_spinning(opts)
+    opts = session_options(threads)
     # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
     # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
     # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.
@@ -45,7 +34,7 @@ def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.Inferen
     quantized = manifest["weights"].get("mode", "float") != "float"
     if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not quantized:
         opts.add_session_config_entry("session.disable_prepacking", "1")
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return cpu_inference_session(path, opts)
 
 
 STATE_PEAK = 64.0  # the largest |entry| of a recurrent state the HTP is fed (in its per-head units)

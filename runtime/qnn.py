@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import onnxruntime as ort
 
+from .session_options import session_options
+
 EP_NAME = "QNNExecutionProvider"
 
 
@@ -41,8 +43,7 @@ def qnn_devices() -> tuple:
 
 def qnn_session_options(provider_options: dict[str, str], free_dims: dict[str, int] | None = None,
                         config: dict[str, str] | None = None) -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so = session_options()
     so.add_provider_for_devices(list(qnn_devices()), dict(provider_options))
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     for name, value in (free_dims or {}).items():  # the HTP compiles static shapes only

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from hybrid_npu.cli_common import OneLineParser
-from hybrid_npu.runtime.pipeline import set_spinning
+from hybrid_npu.runtime.session_options import cpu_inference_session, session_options
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -71,12 +70,10 @@ def matmul_only_model(graph_path: Path) -> tuple[onnx.ModelProto, dict[str, tupl
 def time_model(model: onnx.ModelProto, shapes: dict, threads: int, repeats: int, min_seconds: float = 0.0) -> float:
     """Seconds per run, the best of at least `repeats` runs and `min_seconds` after two warm-ups (a
     bound, so the least disturbed run; this VM's slow spells last seconds)."""
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    set_spinning(opts)  # as the engine's sessions: the bound and the graph share their threading
+    opts = session_options(threads)  # as the engine's sessions: the bound and the graph share their threading
     # the arena hands each run's ~200 MB of prefill outputs back to the next (no page faults): the
     # bound stays an upper bound on what the real graph, which reuses its buffers, could reach
-    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    session = cpu_inference_session(model.SerializeToString(), opts)
     rng = np.random.default_rng(0)
     feed = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     for _ in range(2):

@@ -79,27 +79,43 @@ def test_delta_rule_numpy_vs_transformers_vs_onnx(n):
     np.testing.assert_allclose(s_onnx, s_ref, atol=2e-5)
 
 
-def test_one_token_delta_step_matches_reference_and_transformers():
-    """The decode graph's own form (emit_gated_delta_step), stepped token by token with its state
-    fed back, against the token loop and transformers' recurrent kernel over the same 7 tokens."""
+def cpu_delta_graph(n):
+    gb = GraphBuilder("delta_cpu")
+    names = [gb.input(name, np.float32, shape) for name, shape in
+             (("qk", [n, 2 * HK * DK]), ("v", [n, HV * DV]), ("g", [n, HV]), ("beta", [n, HV]), ("S", [HV, DK, DV]))]
+    o, s_after = delta_rule.emit_gated_delta_cpu(gb, *names, n=n, hk=HK, hv=HV, dk=DK, dv=DV)
+    gb.output(o, "o", np.float32, [n, HV * DV])
+    gb.output(gb.op("Squeeze", s_after, gb.ints([0])), "S_out", np.float32, [HV, DK, DV])
+    return gb
+
+
+def run_cpu_delta(gb, q, k, v, g, beta, S):
+    n = len(q)
+    return run_graph(gb, dict(qk=np.concatenate([q.reshape(n, -1), k.reshape(n, -1)], axis=1), v=v.reshape(n, -1),
+                              g=g, beta=beta, S=S))
+
+
+def test_cpu_delta_rule_matches_reference_and_transformers():
+    """The CPU graphs' form (ORT's LinearAttention, emit_gated_delta_cpu): one token at a time with
+    its state fed back (decode) and a 7-token chunk with a padded tail (beta = g = 0, as the graph
+    feeds padding), against the token loop and transformers' recurrent kernel."""
     q, k, v, g, beta, S = gdn_inputs(7, seed=11)
     o_ref, s_ref = delta_rule.gated_delta_recurrent_ref(*(x.astype(np.float64) for x in (q, k, v, g, beta, S)))
     o_hf, s_hf = hf_delta(M5.torch_recurrent_gated_delta_rule, q, k, v, g, beta, S)
     np.testing.assert_allclose(o_hf, o_ref, atol=2e-5)
-    gb = GraphBuilder("delta_step")
-    names = [gb.input(name, np.float32, shape) for name, shape in
-             (("q", [1, HK, DK]), ("k", [1, HK, DK]), ("v", [1, HV, DV]), ("g", [1, HV]), ("beta", [1, HV]),
-              ("S", [HV, DK, DV]))]
-    o, s_after = delta_rule.emit_gated_delta_step(gb, *names, hk=HK, hv=HV, dk=DK, dv=DV)
-    gb.output(o, "o", np.float32, [1, HV, DV])
-    gb.output(s_after, "S_out", np.float32, [HV, DK, DV])
-    state, outs = S, []
+    np.testing.assert_allclose(s_hf, s_ref, atol=2e-5)
+    step, state, outs = cpu_delta_graph(1), S, []
     for t in range(7):
-        o_t, state = run_graph(gb, dict(q=q[t:t + 1], k=k[t:t + 1], v=v[t:t + 1], g=g[t:t + 1],
-                                        beta=beta[t:t + 1], S=state))
-        outs.append(o_t[0])
+        o_t, state = run_cpu_delta(step, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        outs.append(o_t.reshape(HV, DV))
     np.testing.assert_allclose(np.stack(outs), o_ref, atol=2e-5)
     np.testing.assert_allclose(state, s_ref, atol=2e-5)
+    pad = 3  # the chunk graph at n = 10 with 3 padded tokens: the state is the 7 valid tokens'
+    padded = [np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) for x in (q, k, v, g, beta)]
+    padded[0][7:], padded[1][7:], padded[2][7:] = 1.0, 1.0, 1.0  # whatever the padding rows hold
+    o_chunk, s_chunk = run_cpu_delta(cpu_delta_graph(10), *padded, S)
+    np.testing.assert_allclose(o_chunk[:7].reshape(7, HV, DV), o_ref, atol=2e-5)
+    np.testing.assert_allclose(s_chunk, s_ref, atol=2e-5)
 
 
 def tree_parents():
@@ -232,6 +248,29 @@ def test_short_conv_cpu_step_matches_reference_and_transformers():
     np.testing.assert_allclose(np.stack(ys), y_ref, atol=1e-5)
     np.testing.assert_allclose(s, state_ref, atol=1e-6)
     np.testing.assert_allclose(s, hf_state, atol=1e-6)
+
+
+def test_short_conv_cpu_any_n_matches_reference_and_transformers():
+    """The any-N CPU graph's form (CausalConvWithState channels-last, the state picked among the
+    valid inputs): one graph with N dynamic, run for a 9-token chunk (all valid, and 5 valid then
+    padding) and for one token, against the definition and transformers' decode-time conv."""
+    n = 9
+    x, state, w = conv_case(n, seed=5)
+    hf_y, hf_state = hf_conv(x, state, w)
+    g = GraphBuilder("conv_any_n")
+    xi, si = g.input("x", np.float32, ["n", C_CONV]), g.input("s", np.float32, [C_CONV, K_CONV - 1])
+    sel = g.input("sel", np.float32, [K_CONV - 1, "k_minus_1_plus_n"])
+    y, new = conv.emit_short_conv_cpu(g, xi, si, g.const(w.T.copy()), sel)
+    g.output(y, "y", np.float32, ["n", C_CONV])
+    g.output(new, "new", np.float32, [C_CONV, K_CONV - 1])
+    for valid in (n, 5):
+        y_o, new_o = run_graph(g, {"x": x, "s": state, "sel": conv.chain_state_select(valid, n, K_CONV)})
+        np.testing.assert_allclose(y_o[:valid], hf_y[:valid], atol=1e-5)
+        np.testing.assert_allclose(new_o, conv.short_conv_ref(x, state, w, valid)[1], atol=1e-6)
+    np.testing.assert_allclose(new_o, hf_conv(x[:5], state, w)[1], atol=1e-6)
+    y1, new1 = run_graph(g, {"x": x[:1], "s": state, "sel": conv.chain_state_select(1, 1, K_CONV)})
+    np.testing.assert_allclose(y1, hf_y[:1], atol=1e-5)
+    np.testing.assert_allclose(new1, hf_conv(x[:1], state, w)[1], atol=1e-6)
 
 
 def test_tree_conv_reads_each_nodes_own_path():

@@ -17,7 +17,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.npu_check import compile_on_npu
 from hybrid_npu.export.parts import htp_itemsize, layer_weight_bytes, plan_parts
-from hybrid_npu.export.step_graph import StepSpec
+from hybrid_npu.export.step_graph import Kind, StepSpec
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM
 from hybrid_npu.runtime.pipeline import Pipeline
@@ -182,12 +182,12 @@ def test_check_npu_names_the_first_unsupported_node(tmp_path):
 # ---------------------------------------------------------------- real size
 
 REAL_GRAPHS = {  # one graph per distinct shape: all GDN layers share one, all attention layers another
-    "gdn_layer": StepSpec(n=128, first_layer=1, end_layer=2),
-    "attention_layer": StepSpec(n=128, first_layer=3, end_layer=4),
-    "gdn_layer_verify": StepSpec(n=64, first_layer=1, end_layer=2, tree=True, all_logits=True),
-    "attention_layer_verify": StepSpec(n=64, first_layer=3, end_layer=4, tree=True, all_logits=True),
-    "embedding": StepSpec(n=128, first_layer=0, end_layer=0),
-    "head": StepSpec(n=128, first_layer=24, end_layer=24),
+    "gdn_layer": StepSpec(Kind.PREFILL, 128, first_layer=1, end_layer=2),
+    "attention_layer": StepSpec(Kind.PREFILL, 128, first_layer=3, end_layer=4),
+    "gdn_layer_verify": StepSpec(Kind.VERIFY, 64, first_layer=1, end_layer=2),
+    "attention_layer_verify": StepSpec(Kind.VERIFY, 64, first_layer=3, end_layer=4),
+    "embedding": StepSpec(Kind.PREFILL, 128, first_layer=0, end_layer=0),
+    "head": StepSpec(Kind.PREFILL, 128, first_layer=24, end_layer=24),
 }
 
 

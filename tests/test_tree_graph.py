@@ -1,6 +1,8 @@
 """The step-graph builder's tree mode (the verify graph of speculative decoding): one pass over a
 token tree gives, for every node, transformers' logits after the prompt plus that node's root
 path, and the per-node commit tensors rebuild the recurrent state at the path's end."""
+import copy
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -8,7 +10,7 @@ import torch
 
 import hybrid_npu
 from hybrid_npu.export.checkpoint import read_checkpoint
-from hybrid_npu.export.step_graph import StepSpec, build_step_graph
+from hybrid_npu.export.step_graph import Kind, StepSpec, build_step_graph
 from hybrid_npu.export.weights import WeightPlan
 from hybrid_npu.kernels.delta_rule import commit_state_ref
 from hybrid_npu.runtime.pipeline import Pipeline
@@ -22,7 +24,7 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
     cfg = ck.config
     n = len(PARENTS)
     plan = WeightPlan(ck.load)
-    gb = build_step_graph(cfg, plan, StepSpec(n=n, tree=True, all_logits=True), "verify")
+    gb = build_step_graph(cfg, plan, StepSpec(Kind.VERIFY, n), "verify")
     placements = plan.write(tmp_path / "weights.bin")
     onnx.save_model(gb.model(placements), tmp_path / "verify.onnx")
     sess = ort.InferenceSession(str(tmp_path / "verify.onnx"), providers=["CPUExecutionProvider"])
@@ -52,7 +54,10 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
 def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_tied):
     """The export's CPU verify graph (cores per tree size under If): trees padded up to 2, 4, 8 and
     the full size give transformers' logits on every real node's path, and the commit tensors
-    rebuild its recurrent state."""
+    rebuild its recurrent state. The reference runs in float64: our graphs are fp32 end to end
+    (prefill through ORT's LinearAttention, verify through the masked form), and fp32 rounding alone
+    moves these logits (|logit| ~ 7) by up to ~2e-4 on some paths (transformers' own fp32 run: 1.9e-4)."""
+    ref64 = copy.deepcopy(text_tied.ref).double()
     engine = hybrid_npu.load(text_tied.out)
     sizes = engine.manifest["graphs"]["cpu_verify"]["sizes"]
     assert sizes[:3] == [2, 4, 8] and sizes[-1] == engine.manifest["graphs"]["verify"]["n"]
@@ -70,8 +75,8 @@ def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_
         for m, path in enumerate(tree.paths()[:n_real]):
             seq = prompt + [tree.tokens[j] for j in path]
             with torch.no_grad():
-                hf = text_tied.ref(torch.tensor([seq]), use_cache=True)
-            assert np.abs(out["logits"][m] - hf.logits[0, -1].numpy()).max() <= 1e-4
+                hf = ref64(torch.tensor([seq]), use_cache=True)
+            assert np.abs(out["logits"][m] - hf.logits[0, -1].numpy()).max() <= 2e-4
             for i in engine.state.gdn:
                 commit = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"])
                 rebuilt = commit_state_ref(engine.state.gdn[i].recurrent, commit, path)

@@ -1,4 +1,4 @@
-"""The one graph family: advance the model by N new tokens given its state (design §3).
+"""The one graph family: advance the model by N new tokens given its state (docs/architecture.md).
 
 A graph is one of the Kinds below (KINDS: chain or tree, how many tokens a call brings, the op
 set it is written in): a chain (prefill chunk N = C, decode N = 1, the CPU's any-N graph) or a
@@ -318,7 +318,7 @@ class _Builder:
         """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""
         c, g = self.cfg, self.g
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q, gate = g.split(g.reshape(qg, [n, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (gotcha 2)
+        q, gate = g.split(g.reshape(qg, [n, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (docs/qwen35-model.md trap 2)
         q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), self.cos, self.sin, hd, c.rotary_dim)
         k = emit_partial_rope(g, self.norm1p(g.reshape(k, [n, nkv, hd]), a + "k_norm.weight", hd),
                               self.cos, self.sin, hd, c.rotary_dim)
@@ -337,7 +337,7 @@ class _Builder:
             src = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
             bits = self.plan.quant.head_bits if self.plan.quant is not None else None
             logits = self.linear(h, "lm_head", [src], c.hidden_size, [c.vocab_size], bits=bits)[0]
-        elif c.tie_word_embeddings:  # gotcha 6: tie explicitly to the embedding table
+        elif c.tie_word_embeddings:  # docs/qwen35-model.md trap 6: tie explicitly to the embedding table
             table = self.w(self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size)))
             logits = g.op("Gemm", h, table, transB=1)
         else:

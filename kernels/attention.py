@@ -1,10 +1,10 @@
-"""Grouped-query attention with an additive mask (research/qwen35.md §2.5 step 4).
+"""Grouped-query attention with an additive mask (docs/qwen35-model.md step 4).
 
 q [N, nH, hd] (normed, rotated); keys/values [nKV, T, hd] = past rows then the N new rows; mask
 [N, T] additive (0 = visible, MASKED = hidden): the host builds it (causal, padding, tree
 ancestors). Query head h uses KV head h // (nH/nKV) (transformers' repeat_kv).
 Explicit MatMul/Softmax: the ONNX Attention op with past inputs misbehaves on the HTP
-(research/htp-real-size.md bug 3) and the explicit form compiles faster.
+(docs/htp-traps.md) and the explicit form compiles faster.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Gated delta rule over N new tokens (research/qwen35.md §2.3 steps 4-6; design §4).
+"""Gated delta rule over N new tokens (docs/qwen35-model.md; docs/delta-rule.md).
 
 Inputs per token, token-major: q, k [N, Hk, Dk], v [N, Hv, Dv], g (log decay, <= 0) and β [N, Hv];
 incoming state S [Hv, Dk, Dv] (fp32). Key heads serve Hv/Hk consecutive value heads
-(repeat_interleave, gotcha 4); q̂ = l2n(q)·Dk^-1/2, k̂ = l2n(k).
+(repeat_interleave, docs/qwen35-model.md trap 4); q̂ = l2n(q)·Dk^-1/2, k̂ = l2n(k).
 
 Masked form for an ancestor mask M (M[i,j] = 1 iff j = i or j is an ancestor of i; causal =
 lower-triangular ones), one value head:
@@ -13,7 +13,7 @@ lower-triangular ones), one value head:
     S_after(path ending at m) = e^{G_m}·S + Σ_{j ∈ path(m)} e^{G_m - G_j} k̂_j u_jᵀ
 (I + A) is unit lower-triangular in topological order; the ONNX form solves it by 8×8 diagonal
 blocks (exact nilpotent product inside a block) merged by block forward substitution, never by
-high powers of A over the whole chunk (gotcha 8: fp32 blows up on correlated keys).
+high powers of A over the whole chunk (docs/qwen35-model.md trap 8: fp32 blows up on correlated keys).
 """
 from __future__ import annotations
 

@@ -132,12 +132,12 @@ class GraphBuilder:
 
     def safe_exp(self, x: str) -> str:
         """Exp with its input clamped at -60: the HTP returns garbage below about -88
-        (research/htp-real-size.md bug 1); e^-60 is 0 for every purpose here."""
+        (docs/htp-traps.md); e^-60 is 0 for every purpose here."""
         return self.op("Exp", self.op("Max", x, self.const(-60.0)))
 
     def softplus(self, x: str) -> str:
         """softplus(x) = relu(x) + log(1 + t), t = e^-|x|: the HTP's own Softplus is off by ~9% near
-        x = -2 (research/htp-real-size.md) and feeds straight into the decay g. For t < 0.01 the
+        x = -2 (docs/htp-traps.md) and feeds straight into the decay g. For t < 0.01 the
         series t - t²/2 + t³/3 - t⁴/4 replaces log(1 + t), which fp32 cannot resolve there."""
         t = self.safe_exp(self.op("Neg", self.op("Abs", x)))
         series = self.op("Mul", t, self.op("Add", self.const(1.0), self.op("Mul", t, self.op(

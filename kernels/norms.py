@@ -1,10 +1,10 @@
-"""RMS norms of Qwen3.5 (research/qwen35.md §2.2, gotcha 1).
+"""RMS norms of Qwen3.5 (docs/qwen35-model.md, trap 1).
 
 * RMSNorm1p: x̂·(1+w), zero-centred weight: input/post/final norms and q_norm/k_norm.
 * Gated RMSNorm: (w·x̂)·silu(z), plain weight, per value head over Dv: linear_attn.norm.
 
 Written as plain ops in ONNX for the NPU: the fused RMSNormalization gave wrong, varying values
-on small shapes on the HTP (research/htp-real-size.md bug 2). CPU graphs use ONNX Runtime's own
+on small shapes on the HTP (docs/htp-traps.md). CPU graphs use ONNX Runtime's own
 fused CPU kernels instead (the `*_cpu` emitters): one node where the plain form takes seven, and a
 decode step runs ~100 norms.
 

@@ -1,4 +1,4 @@
-"""Partial rotary embedding (research/qwen35.md §2.5, gotcha 3).
+"""Partial rotary embedding (docs/qwen35-model.md, trap 3).
 
 Only the first rd = head_dim·partial_rotary_factor dims rotate, rotate-half pairs (i, i+rd/2),
 inverse frequencies θ^(-2i/rd). For text input Qwen3.5's interleaved MRoPE is plain RoPE.

@@ -1,4 +1,4 @@
-"""Grouped-query attention with an additive mask (docs/qwen35-model.md step 4).
+"""Grouped-query attention with an additive mask (docs/qwen35-model.md, gated attention).
 
 q [N, nH, hd] (normed, rotated); keys/values [nKV, T, hd] = past rows then the N new rows; mask
 [N, T] additive (0 = visible, MASKED = hidden): the host builds it (causal, padding, tree

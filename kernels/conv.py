@@ -1,4 +1,4 @@
-"""Short causal depthwise conv with state (docs/qwen35-model.md step 2; docs/delta-rule.md).
+"""Short causal depthwise conv with state (docs/qwen35-model.md, Gated DeltaNet step 2; docs/delta-rule.md).
 
 Token-major: inputs x [N, C] (pre-conv q|k|v), weight w [C, K], state [C, K-1] with columns
 oldest first (transformers keeps K columns and never reads the first; we keep K-1).

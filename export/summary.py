@@ -43,9 +43,10 @@ def _file_rows(out: Path, manifest: dict) -> list[tuple[str, int, str]]:
         if ctx_dir.is_dir():
             size, count = _tree_size(ctx_dir)
             rows.append((f"ctx/{name}/ ({count} files)", size, "QNN context binaries"))
-    if manifest.get("drafter"):
-        size, count = _tree_size(out / manifest["drafter"]["dir"])
-        rows.append((f"{manifest['drafter']['dir']}/ ({count} files)", size, "EAGLE-3 drafter"))
+    for kind, d in (manifest.get("drafters") or ({"eagle3": manifest["drafter"]["dir"]} if manifest.get("drafter")
+                                                  else {})).items():
+        size, count = _tree_size(out / d)
+        rows.append((f"{d}/ ({count} files)", size, "MTP drafter" if kind == "mtp" else "EAGLE-3 drafter"))
     return rows
 
 

@@ -241,3 +241,24 @@ def test_choosing_a_drafter_kind_the_export_does_not_ship_says_so(mtp_export):
     with pytest.raises(UserError, match="ships no eagle3 drafter"):
         hybrid_npu.load(root / "out", drafter="eagle3")
     assert isinstance(hybrid_npu.load(root / "out", drafter="mtp").drafter, MtpDrafter)
+
+
+def test_an_export_ships_both_drafters_and_the_kind_is_chosen_at_load(mtp_export, tmp_path):
+    """EAGLE-3 in drafter/ (the default) and an MTP head trained apart (a directory of mtp.*) in mtp/."""
+    import drafter_fixtures
+    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+
+    root, _ = mtp_export
+    weights = drafter_fixtures.drafter_weights(seed=1, hidden_size=48, embed=False)
+    eagle = drafter_fixtures.write_eagle3(tmp_path / "eagle3", weights, hidden_size=48)
+    export(root / "hf", tmp_path / "both", chunk=CHUNK, drafter=eagle, mtp=root / "hf")
+    manifest = json.loads((tmp_path / "both" / "model.json").read_text())
+    assert manifest["drafters"] == {"mtp": "mtp", "eagle3": "drafter"} and manifest["drafter"]["kind"] == "eagle3"
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 300, CHUNK + 3)]
+    plain = None
+    for kind, cls in ((None, Eagle3Drafter), ("eagle3", Eagle3Drafter), ("mtp", MtpDrafter)):
+        engine = hybrid_npu.load(tmp_path / "both", drafter=kind)
+        assert type(engine.drafter) is cls
+        plain = plain or engine.generate(prompt, 40, stop_at_eos=False, speculative=False)
+        engine.adaptive = False
+        assert engine.generate(prompt, 40, stop_at_eos=False) == plain

@@ -135,8 +135,6 @@ def read_mtp(ck, source=None) -> MtpCheckpoint:
     target = ["embed_tokens.weight", "norm.weight"] + ([] if ck.config.tie_word_embeddings else ["lm_head.weight"])
     for name in target:
         shapes[name], loaders[name] = ck.shapes[name], (lambda name=name: ck.load(name))
-    if ck.config.tie_word_embeddings:
-        shapes["lm_head.weight"], loaders["lm_head.weight"] = shapes["embed_tokens.weight"], loaders["embed_tokens.weight"]
     return MtpCheckpoint(source=where, config=cfg, shapes=shapes, loaders=loaders)
 
 
@@ -197,7 +195,8 @@ class _Graphs:
         x = g.op("Add", x, self.linear(g, g.op("Mul", g.silu(up_gate[0]), up_gate[1]), MLP + "down_proj",
                                        [MLP + "down_proj.weight"])[0])
         out = self.norm(g, x, P + "norm.weight")
-        head = self.w(g, self.plan.table("lm_head.weight", self.ck.shapes["lm_head.weight"]))
+        src = "lm_head.weight" if "lm_head.weight" in self.ck.shapes else "embed_tokens.weight"  # tied: one copy
+        head = self.w(g, self.plan.table(src, self.ck.shapes[src]))
         logits = g.op("Gemm", g.op("Gather", out, rows, axis=0), head, transB=1)
         g.output(logits, "logits", np.float32, [M, c.vocab_size])
         g.output(out, "hidden", np.float32, [N, H])

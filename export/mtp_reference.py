@@ -41,4 +41,5 @@ def mtp_step_ref(w: dict, c: MtpConfig, hidden: np.ndarray, ids, positions, past
     g, u = m @ w[MLP + "gate_proj.weight"].T, m @ w[MLP + "up_proj.weight"].T
     x = x + (g / (1.0 + np.exp(-g)) * u) @ w[MLP + "down_proj.weight"].T
     out = rmsnorm_1p_ref(x, w[P + "norm.weight"], eps)
-    return {"logits": out @ w["lm_head.weight"].T, "hidden": out, "new_key": new_k, "new_value": new_v}
+    head = w["lm_head.weight"] if "lm_head.weight" in w else w["embed_tokens.weight"]  # tied
+    return {"logits": out @ head.T, "hidden": out, "new_key": new_k, "new_value": new_v}

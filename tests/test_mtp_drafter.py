@@ -121,7 +121,8 @@ def _transformers_head(w, ref, c):
             mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
             x = layer(x, (cos.double(), sin.double()), attention_mask=mask, position_ids=pos)
             out = norm("mtp.norm.weight")(x)[0]
-            return (out @ torch.from_numpy(w["lm_head.weight"]).T).numpy(), out.numpy()
+            head = w.get("lm_head.weight", w["embed_tokens.weight"])  # tied
+            return (out @ torch.from_numpy(head).T).numpy(), out.numpy()
     return run
 
 
@@ -262,3 +263,17 @@ def test_an_export_ships_both_drafters_and_the_kind_is_chosen_at_load(mtp_export
         plain = plain or engine.generate(prompt, 40, stop_at_eos=False, speculative=False)
         engine.adaptive = False
         assert engine.generate(prompt, 40, stop_at_eos=False) == plain
+
+
+def test_untied_target_head_drafts_with_its_own_lm_head(tmp_path):
+    """An untied target: the MTP logits come from the target's lm_head, not its embedding."""
+    fixtures.write_release_checkpoint(tmp_path / "hf", seed=4, tie=False, with_mtp=True)
+    export(tmp_path / "hf", tmp_path / "out", chunk=CHUNK, drafter="mtp", compile_context=False)
+    w, c = _weights(tmp_path / "hf")
+    assert "lm_head.weight" in w
+    dr = MtpDrafter(tmp_path / "out" / "mtp")
+    rng = np.random.default_rng(5)
+    residuals = 2.0 * rng.standard_normal((6, c.hidden_size)).astype(np.float32)
+    ids = [int(t) for t in rng.integers(0, 300, 6)]
+    dr.observe(ids, residuals)
+    _close(dr._logits, _ref_sequence(w, c, residuals, ids)["logits"][-1])

@@ -277,3 +277,37 @@ def test_untied_target_head_drafts_with_its_own_lm_head(tmp_path):
     ids = [int(t) for t in rng.integers(0, 300, 6)]
     dr.observe(ids, residuals)
     _close(dr._logits, _ref_sequence(w, c, residuals, ids)["logits"][-1])
+
+
+def test_training_module_computes_what_the_export_runs(mtp_export):
+    """scripts/mtp_model.py's TTT unroll against the numpy reference: step 0 is the head over the
+    sequence; step 1 at row t is the chained step the runtime drafts (its own hidden, token t+2,
+    position t+1, seeing rows 0..t and itself)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from mtp_model import MtpHead
+
+    from hybrid_npu.config import ModelConfig
+
+    root, _ = mtp_export
+    w, c = _weights(root / "hf")
+    cfg = ModelConfig.from_dict(json.loads((root / "out" / "model.json").read_text())["config"])
+    head = MtpHead(cfg, torch.from_numpy(w["embed_tokens.weight"]).float(),
+                   torch.from_numpy(w.get("lm_head.weight", w["embed_tokens.weight"])).float())
+    head.load_state_dict({k[len("mtp."):]: torch.from_numpy(v).float() for k, v in w.items() if k.startswith("mtp.")})
+    rng = np.random.default_rng(3)
+    n = 8
+    residuals = 2.0 * rng.standard_normal((n, c.hidden_size))
+    ids = [int(t) for t in rng.integers(0, 300, n)]
+    hidden = mtp_hidden_in_ref(w, c, residuals)
+    with torch.no_grad():
+        step0, step1 = head.ttt(torch.from_numpy(hidden).float()[None], torch.tensor([ids]), 2)
+    ref = mtp_step_ref(w, c, hidden[:-1], ids[1:], np.arange(n - 1), np.zeros((c.num_key_value_heads, 0, c.head_dim)),
+                       np.zeros((c.num_key_value_heads, 0, c.head_dim)), _causal(n - 1))
+    _close(step0[0].numpy(), ref["logits"])
+    for t in range(n - 2):
+        past_k, past_v = ref["new_key"][:, : t + 1], ref["new_value"][:, : t + 1]
+        chained = mtp_step_ref(w, c, ref["hidden"][t: t + 1], [ids[t + 2]], [t + 1], past_k, past_v, _causal(1, t + 1))
+        _close(step1[0, t].numpy(), chained["logits"][0])

@@ -40,6 +40,9 @@ class Checkpoint:
     loaders: dict[str, Callable[[], np.ndarray]]
     source_dtype: str
     mtp_tensors: list[str] = field(default_factory=list)
+    # the MTP head (`mtp.*`, names kept as in the file): read only by `--drafter mtp` (export/mtp_drafter.py)
+    mtp_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    mtp_loaders: dict[str, Callable[[], np.ndarray]] = field(default_factory=dict, repr=False)
 
     def load(self, name: str) -> np.ndarray:
         arr = self.loaders[name]()
@@ -294,11 +297,14 @@ def read_checkpoint(path) -> Checkpoint:
     cfg = parse_config(path, raw)
 
     shapes, loaders, mtp, dtypes, by_name = {}, {}, [], set(), {}
+    mtp_shapes, mtp_loaders = {}, {}
     for f in _weight_files(path):
         st = SafetensorsFile(f)
         for name in st.names():
             if name.startswith("mtp."):
                 mtp.append(name)
+                mtp_shapes[name] = st.shape(name)
+                mtp_loaders[name] = (lambda st=st, name=name: st.load(name))
                 continue
             canon = _canonical(name)
             if canon is None:
@@ -318,4 +324,5 @@ def read_checkpoint(path) -> Checkpoint:
         if tuple(shapes[name]) != want:
             raise UserError(f"tensor {name} has shape {tuple(shapes[name])}, the config implies {want}")
     return Checkpoint(path=path, model_type=raw["model_type"], config=cfg, raw_config=raw, shapes=shapes,
-                      loaders=loaders, source_dtype=",".join(sorted(dtypes)), mtp_tensors=sorted(mtp))
+                      loaders=loaders, source_dtype=",".join(sorted(dtypes)), mtp_tensors=sorted(mtp),
+                      mtp_shapes=mtp_shapes, mtp_loaders=mtp_loaders)

@@ -47,8 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--npu-quant", choices=["qdq", "nbits"],
                    help="with --weights and an NPU --profile: qdq (default; needs --calibration) or nbits (the "
                         "CPU's MatMulNBits weights on the HTP, fp16 activations, no calibration)")
-    p.add_argument("--drafter", help="an EAGLE-3 drafter checkpoint directory (official/SpecForge or speculators "
-                                     "layout) to export beside the model; speculation is then on by default")
+    p.add_argument("--drafter", help="mtp: the checkpoint's own MTP head (mtp.* tensors) drafts; or an EAGLE-3 "
+                                     "drafter checkpoint directory (official/SpecForge or speculators layout) to "
+                                     "export beside the model; speculation is then on by default")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
     p.add_argument("--force", action="store_true",
                    help="also replace an output directory holding a damaged or older export (a directory that is "

@@ -20,13 +20,14 @@ import onnx
 from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_DIR, NPU_GRAPHS, STORAGE_DTYPES as DTYPES
+from hybrid_npu.format import DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_GRAPHS, STORAGE_DTYPES as DTYPES
 
 from hybrid_npu.profiles.loader import load_profile
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
+from .mtp_drafter import export_mtp, read_mtp
 from hybrid_npu import integrity
 from .manifest import FORMAT, MANIFEST, value_infos
 from .out_dir import check_output, finish_partial, make_partial, os_error_line, remove_stale_partials
@@ -83,7 +84,7 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
            progress: Callable[[str], None] | None = None, weights: str = "float", block_size: int | None = None,
            asymmetric: bool = False, max_context: int | None = None, npu_quant: str | None = None,
            calibration=None, head_bits: int | None = None, check: Callable[[Path, dict], None] | None = None,
-           warn: Callable[[str], None] | None = None) -> dict:
+           warn: Callable[[str], None] | None = None, mtp=None) -> dict:
     """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
     HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries.
     weights int8/int4: every linear layer block-quantised for the CPU (export/quantize.py); dtype
@@ -93,7 +94,10 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     max_context: the NPU graphs' K/V capacity T_max instead of the profile's (whole chunks).
     check(dir, manifest): runs on the finished export before it is moved into place (parity);
     whatever it raises leaves nothing written. warn(msg): what the export accepts but the user
-    should know (default: a line on stderr)."""
+    should know (default: a line on stderr).
+    drafter "mtp": the checkpoint's own MTP head (`mtp.*`) drafts (export/mtp_drafter.py), in mtp/;
+    a directory: an EAGLE-3 drafter, in drafter/. mtp (a directory whose safetensors hold `mtp.*`
+    trained for this target): an MTP drafter too, beside the EAGLE-3 one (which stays the default)."""
     src, out = Path(src), Path(out)
     prof = load_profile(profile) if profile is not None else None
     chunk = chunk if chunk is not None else (prof.prefill_chunk if prof else DEFAULT_CHUNK)
@@ -116,7 +120,10 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     calib = read_calibration(calibration, ck.path / "tokenizer.json") if npu_quant == "qdq" else None
     if npu_quant == "nbits":
         _check_nbits_widths(ck.config, quant.block_size)
-    dck = read_drafter(drafter, ck.config, lambda: ck.load("embed_tokens.weight")) if drafter is not None else None
+    own_mtp = isinstance(drafter, str) and drafter == MTP_KIND  # the keyword, not a directory named mtp
+    eagle = None if own_mtp else drafter
+    dck = read_drafter(eagle, ck.config, lambda: ck.load("embed_tokens.weight")) if eagle is not None else None
+    mck = read_mtp(ck, mtp) if own_mtp or mtp is not None else None
     check_output(ck.path, out, force)
     capacity, note = npu_capacity(prof, max_context, chunk, ck.config)
     if capacity is not None:
@@ -131,11 +138,19 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
         raise UserError(os_error_line(e, out)) from None
     try:
         manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context, quant, max_context,
-                                 npu_quant, calib)
+                                 npu_quant, calib, final_tap=mck is not None)
+        shipped = {}
+        if mck is not None:
+            say(f"exporting the MTP drafter (mtp.* of {mck.source}, reading the residual after layer "
+                f"{ck.config.num_layers - 1})")
+            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, dtype)}
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
-            manifest["drafter"] = {"dir": DRAFTER_DIR, **export_drafter(dck, tmp / DRAFTER_DIR, dtype)}
+            shipped[EAGLE3_KIND] = {"dir": DRAFTER_DIR, "kind": EAGLE3_KIND, **export_drafter(dck, tmp / DRAFTER_DIR, dtype)}
+        if shipped:  # the default drafter (EAGLE-3 when both), and every drafter by kind
+            manifest["drafter"] = shipped.get(EAGLE3_KIND) or shipped[MTP_KIND]
+            manifest["drafters"] = {kind: entry["dir"] for kind, entry in shipped.items()}
         say("hashing the written files (integrity)")
         manifest["integrity"] = integrity.record(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -245,7 +260,7 @@ def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, gra
 
 def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str, say, prof,
                   compile_context: bool, quant=None, max_context: int | None = None, npu_quant: str | None = None,
-                  calib: tuple[list[int], dict] | None = None) -> dict:
+                  calib: tuple[list[int], dict] | None = None, final_tap: bool = False) -> dict:
     cfg = ck.config
     plan = WeightPlan(ck.load, DTYPES[dtype], quant)
     # QDQ parts start as fp32 graphs in the quantiser's layout, written aside and quantised into graphs/
@@ -255,6 +270,8 @@ def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
     specs = graph_specs(chunk, verify)
+    if final_tap:  # an MTP drafter reads the residual after the last layer from every graph
+        specs = {name: dataclasses.replace(spec, final_tap=True) for name, spec in specs.items()}
     parts, npu_graphs = [], []  # the NPU's layer ranges; the graphs cut along them (prefill, verify)
     if prof is not None and prof.has_npu:
         parts = plan_parts(cfg, prof.part_weight_bytes, 1 if quant is not None else htp_itemsize(prof))

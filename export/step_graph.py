@@ -17,7 +17,8 @@ I/O names (stable; the manifest lists them with shapes):
        recurrent_scale.{i} [Hv] (prefill and verify; 1 = real units; S out and commit u in them too);
        past_key.{i} / past_value.{i} [nKV, past_len, hd]
   out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i};
-       new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j);
+       new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j; j = L:
+       after the last layer, with StepSpec.final_tap);
        tree only: commit_k.{i} [N, Hv, Dk], commit_u.{i} [N, Hv, Dv], commit_g.{i} [N, Hv],
        pre_conv.{i} [N, conv_dim]
 """
@@ -79,6 +80,8 @@ class StepSpec:
     end_layer: int | None = None      # exclusive; None = all layers
     npu: bool = False                 # an NPU part: the "npu" op set
     tree_sizes: tuple[int, ...] = ()  # SIZED_VERIFY: the tree sizes, the largest n
+    final_tap: bool = False           # also tap.{L}: the residual after the last layer (before the final
+    #                                   norm), every row: what an MTP drafter reads (export/mtp_drafter.py)
 
     def __post_init__(self):
         t = self.traits
@@ -212,6 +215,8 @@ class _Builder:
                                c.intermediate_size, [c.hidden_size])[0]
         if down is not None:
             x = g.op("Add", x, down)
+        if layers.stop == c.num_layers and spec.final_tap:
+            g.output(x, f"tap.{c.num_layers}", np.float32, [n, c.hidden_size])
         if layers.stop == c.num_layers:
             self.head(x)
         else:

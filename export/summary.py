@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hybrid_npu.cli_common import human_bytes as human
 from hybrid_npu.config import ModelConfig
+from hybrid_npu.format import EAGLE3_KIND, MTP_KIND
 from hybrid_npu.runtime.for_export import (DEFAULT_MAX_CHECKPOINTS, MARGIN_BYTES, cpu_graph, plan_memory,
                                           resident_weight_bytes)
 
@@ -42,9 +43,10 @@ def _file_rows(out: Path, manifest: dict) -> list[tuple[str, int, str]]:
         if ctx_dir.is_dir():
             size, count = _tree_size(ctx_dir)
             rows.append((f"ctx/{name}/ ({count} files)", size, "QNN context binaries"))
-    if manifest.get("drafter"):
-        size, count = _tree_size(out / manifest["drafter"]["dir"])
-        rows.append((f"{manifest['drafter']['dir']}/ ({count} files)", size, "EAGLE-3 drafter"))
+    for kind, d in (manifest.get("drafters") or ({EAGLE3_KIND: manifest["drafter"]["dir"]} if manifest.get("drafter")
+                                                  else {})).items():
+        size, count = _tree_size(out / d)
+        rows.append((f"{d}/ ({count} files)", size, "MTP drafter" if kind == MTP_KIND else "EAGLE-3 drafter"))
     return rows
 
 

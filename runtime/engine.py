@@ -15,7 +15,7 @@ import numpy as np
 
 from hybrid_npu.chat_files import sampling_defaults
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_DIR, DRAFTER_MANIFEST, MANIFEST, manifest_hash
+from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 
@@ -142,21 +142,21 @@ class Engine:
                 print(f"hybrid-npu: {self.notice}", file=sys.stderr)
 
     def _open_drafter(self, drafter, threads):
-        """drafter: None (the export's own drafter/, if any), an exported drafter directory, or any
-        object with reset/observe/propose."""
-        if drafter is None:
-            own = self.path / DRAFTER_DIR
-            drafter = own if (own / DRAFTER_MANIFEST).exists() else None
-        if drafter is None or not isinstance(drafter, (str, Path)):
-            return drafter
-        from .eagle3 import Eagle3Drafter
+        """drafter: None (the export's default drafter, if any), "eagle3" / "mtp" (the export's drafter
+        of that kind), an exported drafter directory, or any object with reset/observe/propose
+        (runtime/drafters.py chooses and opens it)."""
+        from .drafters import choose_drafter_dir, load_drafter
 
-        d = Path(drafter)
+        if drafter is not None and not isinstance(drafter, (str, Path)):
+            return drafter
+        d = choose_drafter_dir(self.path, self.manifest, drafter)
+        if d is None:
+            return None
         if not (d / DRAFTER_MANIFEST).exists():
             raise UserError(f"{d} is not an exported drafter; add it to the model with: "
                             f"export-hybrid SOURCE {self.path} --drafter {d}")
         try:
-            return Eagle3Drafter(d, threads)
+            return load_drafter(d, threads)
         except UserError:
             raise
         except Exception as e:  # a damaged drafter.json or graph
@@ -232,8 +232,10 @@ class Engine:
             self._drafter_lag = []
 
     def _taps(self, out: dict[str, np.ndarray], rows) -> np.ndarray:
-        """The EAGLE-3 feature of the given token rows: taps low | mid | high, concatenated."""
-        return np.concatenate([out[f"tap.{j}"][rows] for j in self.config.tap_layers], axis=-1)
+        """The drafter's feature of the given token rows, its taps concatenated in its order (EAGLE-3:
+        low | mid | high; MTP: the residual after the last layer)."""
+        order = getattr(self.drafter, "input_order", None) or self.config.tap_layers
+        return np.concatenate([out[f"tap.{j}"][rows] for j in order], axis=-1)
 
     def _feed_drafter(self, ids: list[int], taps: np.ndarray) -> None:
         """EAGLE pairs the target's feature at position t with the token at t+1 (research/eagle3.md

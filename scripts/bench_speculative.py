@@ -10,7 +10,11 @@ row keeps its best repeat. Every speculative output is checked against the plain
 of the same prompt: a mismatch is reported in the JSON (it would be a bug: speculation is lossless).
 
     python scripts/bench_speculative.py [--model EXPORT] [--prompts 16] [--new 128] [--threads 2]
-        [--contexts 24,500,1500,6000,12000] [--context-new 96] [--repeats 2]
+        [--contexts 24,500,1500,6000,12000] [--context-new 96] [--repeats 2] [--drafter eagle3,mtp]
+
+--drafter: the drafter kinds the export ships to compare side by side (one engine each, the same
+target graphs; runs interleaved with plain ones); rows are then named KIND_SHAPE_MODE. Without it,
+the export's default drafter and the row names as before.
 """
 from __future__ import annotations
 
@@ -91,55 +95,70 @@ def main() -> int:
     ap.add_argument("--context-new", type=int, default=96, help="new tokens after each context")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--drafter", type=lambda v: v.split(","), help="drafter kinds to compare, e.g. eagle3,mtp")
     args = ap.parse_args()
     import hybrid_npu
+    from hybrid_npu.errors import UserError
 
-    engine = hybrid_npu.load(args.model or hybrid_npu.default_model(), threads=args.threads)
+    model = args.model or hybrid_npu.default_model()
+    try:
+        engines = {kind: hybrid_npu.load(model, threads=args.threads, drafter=kind) for kind in (args.drafter or [None])}
+    except UserError as e:
+        print(f"bench_speculative: {e}", file=sys.stderr)
+        return 2
+    engine = next(iter(engines.values()))
     if engine.drafter is None:
         print("bench_speculative: the model has no drafter/", file=sys.stderr)
         return 2
+    prefix = {kind: f"{kind}_" if args.drafter else "" for kind in engines}
     prompts = held_out_prompts(args.prompts)
     result = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "threads": args.threads,
               "note": "machine shared with other jobs; modes interleaved per repeat, best repeat kept",
               "repeats": args.repeats, "greedy": True, "chat": {}, "context": []}
-    chat_modes = [("plain", None)] + [(f"{shape}_{mode}", (shape, mode)) for shape in SHAPES
-                                     for mode in ("adaptive", "always")]
+    chat_modes = [("plain", None, engine)] + [(f"{prefix[kind]}{shape}_{mode}", (shape, mode), e)
+                                             for kind, e in engines.items() for shape in SHAPES
+                                             for mode in ("adaptive", "always")]
     best: dict = {}
     reference = None
     for _ in range(args.repeats):
-        for name, spec in chat_modes:
+        for name, spec, e in chat_modes:
             if spec:
-                set_mode(engine, spec[1], SHAPES[spec[0]])
-            row, outputs = run(engine, prompts, args.new, "plain" if spec is None else spec[1])
+                set_mode(e, spec[1], SHAPES[spec[0]])
+            row, outputs = run(e, prompts, args.new, "plain" if spec is None else spec[1])
             if spec is None:
                 reference = outputs
             else:
                 row["mismatched_prompts"] = sum(a != b for a, b in zip(outputs, reference))
-                row["shape"] = engine.draft_shape
+                row["shape"] = e.draft_shape
             if name not in best or row["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
                 best[name] = row
     for name, row in best.items():
         row["vs_plain"] = round(row["decode_tokens_per_s"] / best["plain"]["decode_tokens_per_s"], 2)
     result["chat"] = {"prompts": len(prompts), "new_tokens_per_prompt": args.new, "rows": best}
     print(json.dumps(result["chat"]), file=sys.stderr, flush=True)
-    # after long contexts: the embedded default draft shape (its manifest's)
-    shape = engine.manifest.get("drafter", {}).get("draft_shape", SHAPES["chain"])
+    # after long contexts: the embedded default draft shape (its manifest's) for the default drafter
+    default = engine.manifest.get("drafter", {})
+    shapes = {kind: default.get("draft_shape", SHAPES["chain"]) if kind in (None, default.get("kind", "eagle3"))
+              else SHAPES["chain"] for kind in engines}
     text_ids = source_ids(engine.tokenizer, max(args.contexts))
     ask = engine.tokenizer.encode(prompts[0]).ids
     for ctx in args.contexts:
         prompt = (text_ids[: max(ctx - len(ask), 0)] + ask)[-ctx:]
         rows: dict = {}
         reference = None
+        runs = [("plain", "plain", engine, None)] + [(f"{prefix[kind]}{mode}", mode, e, kind)
+                                                     for kind, e in engines.items() for mode in ("adaptive", "always")]
         for _ in range(args.repeats):
-            for mode in ("plain", "adaptive", "always"):
+            for name, mode, e, kind in runs:
                 if mode != "plain":
-                    set_mode(engine, mode, shape)
-                row, outputs = run(engine, [prompt], args.context_new, mode, long_context=True)
+                    set_mode(e, mode, shapes[kind])
+                row, outputs = run(e, [prompt], args.context_new, mode, long_context=True)
                 reference = outputs if mode == "plain" else reference
                 if mode != "plain":
                     row["mismatched"] = int(outputs != reference)
-                if mode not in rows or row["decode_tokens_per_s"] > rows[mode]["decode_tokens_per_s"]:
-                    rows[mode] = row
+                    row["shape"] = e.draft_shape
+                if name not in rows or row["decode_tokens_per_s"] > rows[name]["decode_tokens_per_s"]:
+                    rows[name] = row
         for mode, row in rows.items():
             row["vs_plain"] = round(row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"], 2)
         result["context"].append({"context_tokens": ctx, "new_tokens": args.context_new, "rows": rows})

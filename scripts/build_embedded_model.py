@@ -2,7 +2,10 @@
 and the drafter that train_drafter.py wrote (fp16 storage, compute fp32) into
 src/hybrid_npu/models/default/, and check the 40 MB ceiling.
 
-    python scripts/build_embedded_model.py TARGET_DIR DRAFTER_DIR
+    python scripts/build_embedded_model.py TARGET_DIR DRAFTER_DIR [--mtp MTP_DIR]
+
+--mtp: the MTP head train_mtp.py wrote for this target (mtp.* tensors), shipped beside the EAGLE-3
+drafter in mtp/ (the EAGLE-3 drafter stays the default; hybrid_npu.load(..., drafter="mtp") picks it).
 
 The tiny model fits one NPU part, so no profile-specific graphs are needed: with an NPU profile
 the runtime compiles the prefill (and verify) graph for the HTP on first load.
@@ -32,14 +35,17 @@ def main() -> int:
     ap.add_argument("target", type=Path)
     ap.add_argument("drafter", type=Path)
     ap.add_argument("--out", type=Path, default=hybrid_npu.DEFAULT_MODEL)
+    ap.add_argument("--mtp", type=Path, help="an MTP head for this target (train_mtp.py's output) to ship too")
     args = ap.parse_args()
     manifest = export(args.target, args.out, dtype="fp16", drafter=args.drafter, force=True, progress=print,
-                      verify=VERIFY_NODES)
+                      verify=VERIFY_NODES, mtp=args.mtp)
     manifest["drafter"]["draft_shape"] = DRAFT_SHAPE
     (args.out / "model.json").write_text(json.dumps(manifest, indent=1))
     # training records travel with the model they describe (numbers quoted in the README)
     training = {}
-    for name, d in (("target", args.target), ("drafter", args.drafter)):
+    for name, d in (("target", args.target), ("drafter", args.drafter), ("mtp", args.mtp)):
+        if d is None:
+            continue
         f = d / "train_log.json"
         if f.exists():
             log = json.loads(f.read_text())

@@ -1,0 +1,233 @@
+"""The checkpoint's own MTP head as a drafter: read `mtp.*` and export it to ONNX for the CPU.
+
+Wiring (docs/mtp-drafter.md; vLLM's qwen3_5_mtp.py, llama.cpp's qwen35 MTP), one MTP layer, every
+norm a zero-centred x̂·(1+w) RMSNorm as in the target:
+    h   = norm(r)                    r: the target's residual after its last layer (tap.{L});
+                                     norm: the target's final norm, so h is the post-norm hidden
+    x   = fc([pre_fc_norm_embedding(embed(t)) ; pre_fc_norm_hidden(h)])    [N, 2H] -> [N, H]
+    x   = x + o_proj(attn(input_layernorm(x)) · sigmoid(gate))           own K/V, q/k norms, partial RoPE
+    x   = x + mlp(post_attention_layernorm(x))
+    out = mtp.norm(x):   logits = lm_head(out);   out is the hidden of the next chained step
+The pair (h at position p, token p+1) sits at MTP position p and predicts token p+2.
+
+Graphs (same I/O names as the EAGLE-3 drafter's, so runtime/eagle3.py's K/V, window and tree code
+serve both; runtime/mtp.py):
+  mtp_in.onnx   taps [N, H] (tap.{L})  -> features [N, H]  (the target's final norm)
+  mtp.onnx      features [N, H], input_ids [N], rope_cos/rope_sin [N, rd], attn_mask [N, past+N],
+                past_key/past_value [nKV, past, hd], logit_rows [M]
+                -> logits [M, V], hidden [N, H] (mtp.norm(x)), new_key/new_value [nKV, N, hd]
+The embedding and lm_head are the target's, copied into the drafter's weights (see the doc for
+what that costs at real size).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from hybrid_npu.config import ModelConfig
+from hybrid_npu.errors import UserError
+from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MASK_DIM, MTP_KIND as KIND, PAST_DIM
+from hybrid_npu.kernels.attention import emit_dynamic_gqa
+from hybrid_npu.kernels.graph import GraphBuilder
+from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
+from hybrid_npu.kernels.rope import emit_partial_rope
+
+from .manifest import value_infos
+from .safetensors_io import SafetensorsFile
+from .weights import WeightPlan
+
+WEIGHTS_FILE = "mtp_weights.bin"
+IN_GRAPH, STEP_GRAPH = "mtp_in", "mtp"
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+N, M = "n", "m"
+P = "mtp."
+A, MLP = P + "layers.0.self_attn.", P + "layers.0.mlp."
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    """The target's dimensions the head uses (the MTP layer is a target full-attention layer)."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    vocab_size: int
+    num_layers: int        # the target's L: the head reads tap.{L}
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "MtpConfig":
+        return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                   cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.vocab_size, cfg.num_layers)
+
+
+@dataclass
+class MtpCheckpoint:
+    source: Path
+    config: MtpConfig
+    shapes: dict[str, tuple[int, ...]]
+    loaders: dict[str, Callable[[], np.ndarray]] = field(repr=False)
+
+    def load(self, name: str) -> np.ndarray:
+        arr = np.asarray(self.loaders[name]())
+        if tuple(arr.shape) != tuple(self.shapes[name]):
+            raise UserError(f"MTP tensor {name}: data has shape {tuple(arr.shape)}, expected {self.shapes[name]}")
+        return arr
+
+
+def expected_shapes(c: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """The `mtp.*` tensors of a one-layer head and their shapes (the released Qwen3.5 names)."""
+    H, I, nh, nkv, hd = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    layer = P + "layers.0."
+    return {P + "fc.weight": (H, 2 * H), P + "pre_fc_norm_embedding.weight": (H,),
+            P + "pre_fc_norm_hidden.weight": (H,), P + "norm.weight": (H,),
+            layer + "input_layernorm.weight": (H,), layer + "post_attention_layernorm.weight": (H,),
+            A + "q_proj.weight": (2 * nh * hd, H), A + "k_proj.weight": (nkv * hd, H),
+            A + "v_proj.weight": (nkv * hd, H), A + "o_proj.weight": (H, nh * hd),
+            A + "q_norm.weight": (hd,), A + "k_norm.weight": (hd,),
+            MLP + "gate_proj.weight": (I, H), MLP + "up_proj.weight": (I, H), MLP + "down_proj.weight": (H, I)}
+
+
+def _mtp_tensors_of(path: Path) -> tuple[dict, dict]:
+    """`mtp.*` shapes and loaders from a directory's *.safetensors (a head trained apart from its target)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{path} has no *.safetensors with the MTP head's mtp.* tensors")
+    shapes, loaders = {}, {}
+    for f in files:
+        st = SafetensorsFile(f)
+        for name in st.names():
+            if name.startswith(P):
+                shapes[name], loaders[name] = st.shape(name), (lambda st=st, name=name: st.load(name))
+    return shapes, loaders
+
+
+def read_mtp(ck, source=None) -> MtpCheckpoint:
+    """The MTP head of checkpoint `ck` (export/checkpoint.Checkpoint), or of `source` (a directory whose
+    safetensors hold `mtp.*` for this target), with the target's embedding, lm_head and final norm."""
+    cfg = MtpConfig.of(ck.config)
+    where = Path(source) if source is not None else ck.path
+    shapes, loaders = _mtp_tensors_of(where) if source is not None else (dict(ck.mtp_shapes), dict(ck.mtp_loaders))
+    if not shapes:
+        raise UserError(f"{where} has no MTP head (no mtp.* tensors) to draft with; export without --drafter mtp, "
+                        "or give an EAGLE-3 drafter checkpoint: --drafter DIR")
+    text = ck.raw_config.get("text_config", ck.raw_config) if source is None else {}
+    layers = int(text.get("mtp_num_hidden_layers", 1) or 1)
+    extra = sorted({n.split(".")[2] for n in shapes if n.startswith(P + "layers.")} - {"0"})
+    if layers != 1 or extra:
+        raise UserError(f"{where}: the MTP head has {layers if layers != 1 else 1 + len(extra)} layers; "
+                        "only one-layer heads (every released Qwen3.5) are supported")
+    for name, want in expected_shapes(cfg).items():
+        if name not in shapes:
+            raise UserError(f"MTP tensor {name} is missing from {where}; is this a Qwen3.5 MTP head?")
+        if tuple(shapes[name]) != want:
+            raise UserError(f"MTP tensor {name} has shape {tuple(shapes[name])}, the target's config implies {want}; "
+                            "this MTP head belongs to another model")
+    target = ["embed_tokens.weight", "norm.weight"] + ([] if ck.config.tie_word_embeddings else ["lm_head.weight"])
+    for name in target:
+        shapes[name], loaders[name] = ck.shapes[name], (lambda name=name: ck.load(name))
+    return MtpCheckpoint(source=where, config=cfg, shapes=shapes, loaders=loaders)
+
+
+# ---------------------------------------------------------------------------------------- graphs
+class _Graphs:
+    def __init__(self, ck: MtpCheckpoint, plan: WeightPlan):
+        self.ck, self.c, self.plan = ck, ck.config, plan
+
+    def w(self, g: GraphBuilder, stored: str) -> str:
+        e = self.plan.entries[stored]
+        g.weight(stored, e.shape, e.dtype)
+        return stored if e.dtype == np.float32 else g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+
+    def norm(self, g, x: str, name: str) -> str:
+        w = self.w(g, self.plan.vector(name, self.ck.shapes[name][0]))
+        return emit_rmsnorm_1p_cpu(g, x, w, self.c.rms_norm_eps)
+
+    def linear(self, g, x: str, name: str, sources: list[str]) -> list[str]:
+        outs = [self.ck.shapes[s][0] for s in sources]
+        y = g.op("Gemm", x, self.w(g, self.plan.linear_weight(name, sources, self.ck.shapes[sources[0]][1], outs)),
+                 transB=1)
+        return [y] if len(outs) == 1 else g.split(y, outs, axis=-1)
+
+    def hidden_in(self) -> GraphBuilder:
+        """tap.{L} [N, H] -> the target's post-norm hidden [N, H]."""
+        g = GraphBuilder(IN_GRAPH)
+        x = g.input("taps", np.float32, [N, self.c.hidden_size])
+        g.output(self.norm(g, x, "norm.weight"), "features", np.float32, [N, self.c.hidden_size])
+        return g
+
+    def step(self) -> GraphBuilder:
+        c, g = self.c, GraphBuilder(STEP_GRAPH)
+        H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = g.input("features", np.float32, [N, H])
+        ids = g.input("input_ids", np.int64, [N])
+        cos = g.unsqueeze(g.input("rope_cos", np.float32, [N, c.rotary_dim]), [1])
+        sin = g.unsqueeze(g.input("rope_sin", np.float32, [N, c.rotary_dim]), [1])
+        mask = g.input("attn_mask", np.float32, [N, MASK_DIM])
+        past_k = g.input("past_key", np.float32, [nkv, PAST_DIM, hd])
+        past_v = g.input("past_value", np.float32, [nkv, PAST_DIM, hd])
+        rows = g.input("logit_rows", np.int64, [M])
+        table = self.w(g, self.plan.table("embed_tokens.weight", self.ck.shapes["embed_tokens.weight"]))
+        e = self.norm(g, g.op("Gather", table, ids, axis=0), P + "pre_fc_norm_embedding.weight")
+        x = g.op("Concat", e, self.norm(g, h, P + "pre_fc_norm_hidden.weight"), axis=-1)  # embedding first
+        x = self.linear(g, x, P + "fc", [P + "fc.weight"])[0]
+        a = self.norm(g, x, P + "layers.0.input_layernorm.weight")
+        qg, k, v = self.linear(g, a, A + "qkv", [A + "q_proj.weight", A + "k_proj.weight", A + "v_proj.weight"])
+        q, gate = g.split(g.reshape(qg, [-1, nh, 2 * hd]), [hd, hd], axis=-1)  # q | gate interleaved per head
+        q = emit_partial_rope(g, self.norm(g, q, A + "q_norm.weight"), cos, sin, hd, c.rotary_dim)
+        k = emit_partial_rope(g, self.norm(g, g.reshape(k, [-1, nkv, hd]), A + "k_norm.weight"), cos, sin, hd,
+                              c.rotary_dim)
+        new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [-1, nkv, hd]), [1, 0, 2])
+        attn = emit_dynamic_gqa(g, q, past_k, past_v, new_k, new_v, mask, nh=nh, nkv=nkv, hd=hd)
+        gated = g.op("Mul", attn, g.op("Sigmoid", g.reshape(gate, [-1, nh * hd])))
+        x = g.op("Add", x, self.linear(g, gated, A + "o_proj", [A + "o_proj.weight"])[0])
+        m = self.norm(g, x, P + "layers.0.post_attention_layernorm.weight")
+        up_gate = self.linear(g, m, MLP + "gate_up", [MLP + "gate_proj.weight", MLP + "up_proj.weight"])
+        x = g.op("Add", x, self.linear(g, g.op("Mul", g.silu(up_gate[0]), up_gate[1]), MLP + "down_proj",
+                                       [MLP + "down_proj.weight"])[0])
+        out = self.norm(g, x, P + "norm.weight")
+        src = "lm_head.weight" if "lm_head.weight" in self.ck.shapes else "embed_tokens.weight"  # tied: one copy
+        head = self.w(g, self.plan.table(src, self.ck.shapes[src]))
+        logits = g.op("Gemm", g.op("Gather", out, rows, axis=0), head, transB=1)
+        g.output(logits, "logits", np.float32, [M, c.vocab_size])
+        g.output(out, "hidden", np.float32, [N, H])
+        g.output(new_k, "new_key", np.float32, [nkv, N, hd])
+        g.output(new_v, "new_value", np.float32, [nkv, N, hd])
+        return g
+
+
+def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32") -> dict:
+    """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir;
+    returns the manifest."""
+    if dtype not in DTYPES:
+        raise UserError(f"drafter dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = WeightPlan(ck.load, DTYPES[dtype])
+    b = _Graphs(ck, plan)
+    builders = {IN_GRAPH: b.hidden_in(), STEP_GRAPH: b.step()}
+    placements = plan.write(out / WEIGHTS_FILE)
+    graphs = {}
+    for name, gb in builders.items():
+        model = gb.model(placements)
+        onnx.save_model(model, out / f"{name}.onnx")
+        onnx.checker.check_model(str(out / f"{name}.onnx"))
+        graphs[name] = {"file": f"{name}.onnx", "nodes": len(model.graph.node),
+                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+    c = ck.config
+    manifest = {
+        "format": DRAFTER_FORMAT, "kind": KIND, "source": str(ck.source), "config": asdict(c),
+        "taps": {"convention": "residual stream after the last target layer (before the final norm)",
+                 "layers": [c.num_layers], "input_order": [c.num_layers]},
+        "graphs": graphs, "weights": {"file": WEIGHTS_FILE, "bytes": plan.total_bytes(), "dtype": dtype},
+    }
+    (out / DRAFTER_MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest

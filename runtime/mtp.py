@@ -1,0 +1,56 @@
+"""The checkpoint's own MTP head as a drafter at run time (CPU, ONNX): docs/mtp-drafter.md.
+
+The head is an EAGLE-style drafter with one feature, the target's residual after its last layer
+(tap.{L}): `observe(tokens, features)` pairs the target's tap at position t with token t+1 (the MTP
+position is t, as vLLM and llama.cpp place it), a chained step feeds the head its own output hidden
+(mtp.norm), and its K/V grows over the accepted context with the tree rows written past it and
+forgotten. That is exactly runtime/eagle3.py's bookkeeping (stable K/V, window, EAGLE-2 trees from
+the top-k, rewind), so this class only opens the MTP graphs; the vocabulary is the target's.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from hybrid_npu.errors import UserError
+from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MTP_KIND as KIND
+
+from .eagle3 import DRAFT_WINDOW, SINGLE_THREAD_BELOW_BYTES, Eagle3Drafter
+
+
+
+class MtpDrafter(Eagle3Drafter):
+    kind = KIND
+
+    def __init__(self, drafter_dir, threads: int | None = None, window: int | None = DRAFT_WINDOW):
+        self.path = Path(drafter_dir)
+        self.window = window
+        mf = self.path / DRAFTER_MANIFEST
+        if not mf.exists():
+            raise UserError(f"{self.path} is not an exported drafter (no {DRAFTER_MANIFEST}); "
+                            "export it with: export-hybrid SOURCE OUT --drafter mtp")
+        self.manifest = json.loads(mf.read_text())
+        if self.manifest.get("format") != DRAFTER_FORMAT or self.manifest.get("kind") != KIND:
+            raise UserError(f"{mf} is not an MTP drafter (format {self.manifest.get('format')!r}, kind "
+                            f"{self.manifest.get('kind')!r}); re-export it with --drafter mtp")
+        c = self.manifest["config"]
+        self.nkv, self.hd, self.h = c["num_key_value_heads"], c["head_dim"], c["hidden_size"]
+        self.rotary_dim, self.rope_theta = c["rotary_dim"], c["rope_theta"]
+        self.input_order = tuple(self.manifest["taps"]["input_order"])  # (L,): tap.{L}
+        self.tap_width = c["hidden_size"]
+        self.draft_to_target = np.arange(c["vocab_size"], dtype=np.int64)  # the target's own vocabulary
+        graphs = self.manifest["graphs"]
+        opts = ort.SessionOptions()
+        weights = (self.path / self.manifest["weights"]["file"]).stat().st_size
+        threads = 1 if weights < SINGLE_THREAD_BELOW_BYTES else threads  # as eagle3.py: short calls, one thread
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        self.fc = ort.InferenceSession(str(self.path / graphs["mtp_in"]["file"]), opts,
+                                       providers=["CPUExecutionProvider"])
+        self.step = ort.InferenceSession(str(self.path / graphs["mtp"]["file"]), opts,
+                                         providers=["CPUExecutionProvider"])
+        self.reset()

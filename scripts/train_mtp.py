@@ -1,0 +1,183 @@
+"""Train a Qwen3.5 MTP head (`mtp.*`) for a frozen hybrid target, as the released checkpoints ship one.
+
+    python scripts/train_mtp.py TARGET_DIR OUT_DIR [--minutes 14] [--prompts 2048] [--ttt-steps 6] [--threads 2]
+
+The head learns to predict token t+2 from the target's (post-norm) hidden at t and the embedding of
+token t+1 (docs/mtp-drafter.md). Data as for the EAGLE-3 drafter (scripts/train_drafter.py): the
+target's own greedy continuations of stdlib-corpus prompts with its final hidden states; the loss is
+the soft cross-entropy against the target's distribution one position later (what verification
+accepts), unrolled over --ttt-steps chained steps (each fed the head's own output hidden, weights
+0.8^k), so chains deeper than one draft are trained too. The embedding and lm_head stay the target's.
+
+Writes OUT_DIR/model.safetensors (`mtp.*`: export-hybrid TARGET OUT --drafter mtp reads them from a
+checkpoint; build_embedded_model.py --mtp OUT_DIR from here) and OUT_DIR/train_log.json (the held-out
+chain estimate and acceptance through our runtime, checked lossless).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hybrid_npu.cli_common import OneLineParser  # noqa: E402
+from hybrid_npu.errors import UserError  # noqa: E402
+from train_drafter import DEPTH, Clock, batches, build_data, load_target  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = OneLineParser(prog="train_mtp.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("target", type=Path, help="Hugging Face Qwen3.5 hybrid checkpoint directory")
+    ap.add_argument("out", type=Path, help="where model.safetensors (mtp.*) and train_log.json go")
+    ap.add_argument("--minutes", type=float, default=14.0, help="training-loop budget (data and eval come on top)")
+    ap.add_argument("--max-steps", type=int, default=10**9)
+    ap.add_argument("--prompts", type=int, default=2048)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=192)
+    ap.add_argument("--ttt-steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--runtime-prompts", type=int, default=16, help="held-out prompts through the runtime (0: skip)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--corpus-root", type=Path, help="a directory of .py files instead of the standard library")
+    args = ap.parse_args(argv)
+    if not (args.target / "config.json").is_file():
+        raise UserError(f"{args.target} has no config.json; give a Hugging Face checkpoint directory")
+    if args.ttt_steps < 1 or args.prompts < 1 or args.gen_tokens < 2 or args.batch < 1:
+        raise UserError("--ttt-steps, --prompts, --batch must be >= 1 and --gen-tokens >= 2")
+    return args
+
+
+def train(head, lm_head, seqs, all_vocab, args, log) -> int:
+    import torch
+
+    from eagle3_train import collate, ttt_loss
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    budget, warm, step = args.minutes * 60.0, 20, 0
+    it = batches(seqs, args.batch, random.Random(args.seed))
+    t0 = time.perf_counter()
+    while step < args.max_steps and time.perf_counter() - t0 < budget:
+        frac = max((time.perf_counter() - t0) / budget, step / args.max_steps)
+        lr = args.lr * min(1.0, (step + 1) / warm) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ts = time.perf_counter()
+        total, losses, accs = ttt_loss(head, collate(next(it), all_vocab, args.device), lm_head, args.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        step += 1
+        log["steps"].append(step)
+        log["loss"].append(round(total.item(), 4))
+        log["loss_per_ttt_step"].append([round(x, 4) for x in losses])
+        log["top1_per_ttt_step"].append([round(x, 4) for x in accs])
+        log["step_s"].append(round(time.perf_counter() - ts, 3))
+        if step % 10 == 0 or step == 1:
+            print(f"step {step} loss {total.item():.3f} top1 {' '.join(f'{a:.2f}' for a in accs)} lr {lr:.1e} "
+                  f"{(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    return step
+
+
+def runtime_acceptance(target: Path, mtp_dir: Path, prompts, gen_tokens: int, threads: int) -> dict:
+    """Export the target with this MTP head, then plain and speculative greedy generation (every step a
+    round, chain of depth 6) on each prompt: acceptance length and losslessness."""
+    import hybrid_npu
+    from hybrid_npu.export.exporter import export
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "export"
+        export(target, out, mtp=mtp_dir)
+        engine = hybrid_npu.load(out, threads=threads)
+        engine.adaptive, engine.draft_shape = False, {"top_k": 1, "depth": DEPTH, "total_tokens": DEPTH}
+        rows = []
+        for p in prompts:
+            plain = engine.generate(p, gen_tokens, speculative=False)
+            spec = engine.generate(p, gen_tokens, speculative=True)
+            s = engine.last_stats
+            rows.append({"prompt_tokens": len(p), "tokens": len(spec), "lossless": spec == plain,
+                         "rounds": s["rounds"], "acceptance_length": round(s["acceptance_length"], 4)})
+    rounds = sum(r["rounds"] for r in rows)
+    emitted = sum(r["acceptance_length"] * r["rounds"] for r in rows)
+    return {"prompts": len(rows), "all_lossless": all(r["lossless"] for r in rows),
+            "mean_acceptance_length": emitted / max(rounds, 1), "draft_shape": dict(engine.draft_shape),
+            "per_prompt": rows}
+
+
+def run(args) -> dict:
+    import torch
+
+    import stdlib_corpus
+    from eagle3_train import chain_acceptance
+    from mtp_model import MtpHead, save_mtp
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    clock = Clock()
+    with clock.phase("load"):
+        model, text, tok, _ = load_target(args.target, args.device)
+        docs = stdlib_corpus.documents(args.corpus_root)
+    for p in model.parameters():
+        p.requires_grad_(False)  # the target stays frozen
+    cfg = model.config.get_text_config()
+    args.taps = (cfg.num_hidden_layers,)  # hidden_states[L]: after the target's final norm (post-norm)
+    train_docs = [d for d in docs if not d.held_out]
+    held_docs = [d for d in docs if d.held_out]
+    _, seqs = build_data(model, tok, train_docs, args.prompts, args, clock, "train")
+    eval_prompts, eval_seqs = build_data(model, tok, held_docs, args.eval_prompts, args, clock, "eval")
+    V = cfg.vocab_size
+    all_vocab, used = np.ones(V, bool), np.arange(V)
+    from hybrid_npu.export.checkpoint import read_checkpoint
+    head = MtpHead(read_checkpoint(args.target).config, text.embed_tokens.weight, model.lm_head.weight).to(args.device)
+    head.init_from_target(text)
+    lm_head = model.lm_head.weight.detach().float()
+    log = {"target": str(args.target), "settings": {k: (str(v) if isinstance(v, Path) else v)
+                                                    for k, v in vars(args).items()},
+           "data": {"train_sequences": len(seqs), "train_tokens": int(sum(len(s.ids) for s in seqs)),
+                    "eval_sequences": len(eval_seqs)},
+           "steps": [], "loss": [], "loss_per_ttt_step": [], "top1_per_ttt_step": [], "step_s": []}
+    log["eval_chain_before"] = chain_acceptance(head, eval_seqs, used, all_vocab, DEPTH, args.gen_batch, args.device)
+    with clock.phase("train"):
+        log["final_step"] = train(head, lm_head, seqs, all_vocab, args, log)
+    if log["step_s"]:
+        log["mean_step_s"] = round(float(np.mean(log["step_s"][1:] or log["step_s"])), 3)
+    with clock.phase("save"):
+        save_mtp(head, args.out, {"target": args.target, "steps": log["final_step"]})
+    with clock.phase("eval_chain"):
+        log["eval_chain"] = chain_acceptance(head, eval_seqs, used, all_vocab, DEPTH, args.gen_batch, args.device)
+    print("held-out chain estimate:", json.dumps(log["eval_chain"]), flush=True)
+    if args.runtime_prompts:
+        with clock.phase("eval_runtime"):
+            log["eval_runtime"] = runtime_acceptance(args.target, args.out, eval_prompts[: args.runtime_prompts],
+                                                     args.gen_tokens, args.threads)
+        r = log["eval_runtime"]
+        print(f"runtime: acceptance length {r['mean_acceptance_length']:.3f}, lossless {r['all_lossless']}",
+              flush=True)
+    log["timing_s"] = clock.phases
+    (args.out / "train_log.json").write_text(json.dumps(log) + "\n")
+    return log
+
+
+def main(argv=None) -> int:
+    try:
+        run(parse_args(argv))
+    except UserError as e:
+        print(f"train_mtp.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

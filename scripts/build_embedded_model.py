@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import hybrid_npu
+from hybrid_npu import integrity
 from hybrid_npu.export.exporter import export
 
 CEILING_BYTES = 40 * 2**20
@@ -45,6 +46,8 @@ def main() -> int:
             log = json.loads(f.read_text())
             training[name] = {k: v for k, v in log.items() if not isinstance(v, list)}  # no per-step curves
     (args.out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
+    manifest["integrity"] = integrity.record(args.out)  # training.json is part of the package too
+    (args.out / "model.json").write_text(json.dumps(manifest, indent=1))
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"embedded model: {size / 2**20:.1f} MiB in {args.out}")
     if size > CEILING_BYTES:

@@ -76,7 +76,7 @@ class Engine:
             file = graphs[graph]["file"]
             if file not in opened:
                 try:
-                    session = cpu_session(self.path / file, self.manifest, threads)
+                    session = cpu_session(self.path / file, self.manifest, threads, secondary=name == "verify")
                 except Exception as e:  # ORT's own error types: a file it cannot read
                     raise damaged(self.path, file, e) from None
                 check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"])

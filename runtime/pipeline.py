@@ -18,22 +18,27 @@ def cpu_graph(graphs: dict, name: str) -> str:
     return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
 
 
-def set_spinning(opts: ort.SessionOptions) -> None:
+def set_spinning(opts: ort.SessionOptions, secondary: bool = False) -> None:
     """Whether intra-op workers spin between kernels (ORT's default) or sleep: HYBRID_NPU_SPINNING=0
     for a machine whose cores are busy with other work. Measured on 2 cores, int4, paired A/B
     (docs/cpu-speed.md): with the VM loaded by other work, not spinning was 1.28x prefill / 1.76x
-    decode faster; with it quiet, spinning was 1.04x / 1.11x faster, so the default stays ORT's."""
-    if os.environ.get("HYBRID_NPU_SPINNING") == "0":
+    decode faster; with it quiet, spinning was 1.04x / 1.11x faster, so the default stays ORT's.
+    secondary: a session called between the main one's calls (the verify graph between decode
+    steps) never spins: each session owns a pool, and its workers spinning on after its call took
+    the cores from the next decode step (docs/speculation.md: plain steps right after a round
+    1.2-2.2x a plain step in a run with it spinning, 0.3-1.0x without; verify 37.6 vs 8.7 ms)."""
+    if secondary or os.environ.get("HYBRID_NPU_SPINNING") == "0":
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
 
 
-def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
-    """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
+def cpu_session(path, manifest: dict, threads: int | None = None, secondary: bool = False) -> ort.InferenceSession:
+    """A CPU session of one of the export's graphs, set up the way every reader of an export needs;
+    secondary: one called between another session's calls (set_spinning)."""
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
     opts.log_severity_level = 3  # errors only: ORT's initializer-cleanup notes are not the user's business
-    set_spinning(opts)
+    set_spinning(opts, secondary)
     # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
     # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
     # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.

@@ -16,6 +16,7 @@ import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.kernels.conv import tree_conv_select
+from hybrid_npu.kernels.delta_rule import commit_state_ref
 
 from .sampling import filtered_probs
 from .state import State
@@ -116,13 +117,10 @@ def accept_sampled(logits: np.ndarray, tree: Tree, n_real: int, temperature: flo
 
 def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list[int], k: int) -> None:
     """Advance the state by the tokens of `path` (root first) from the verify outputs."""
-    m = path[-1]
     idx = np.array(path)
     for i, layer in state.gdn.items():
-        kh, u, G = out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"]
-        w = np.exp(G[m][None, :] - G[idx])  # [len, Hv]
-        layer.recurrent = (np.exp(G[m])[:, None, None] * layer.recurrent
-                           + np.einsum("jh,jhk,jhv->hkv", w, kh[idx], u[idx])).astype(np.float32)
+        commit = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"])
+        layer.recurrent = commit_state_ref(layer.recurrent, commit, path).astype(np.float32)
         window = np.concatenate([layer.conv, out[f"pre_conv.{i}"][idx].T], axis=1)
         layer.conv = np.ascontiguousarray(window[:, -(k - 1):])
     pos = state.position

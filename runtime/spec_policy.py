@@ -70,6 +70,7 @@ class SpecPolicy:
     _refreshing: bool = False
     _probe_depth: int = 0                         # the depth of a probe's second round still to come
     decisions: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent depths chosen (0 = plain)
+    _context: int | None = None                   # context length the costs were measured at
 
     def __post_init__(self):
         if self.max_depth < 1:
@@ -130,6 +131,22 @@ class SpecPolicy:
             if rate > best[1]:
                 best = (d, rate)
         return best
+
+    def note_context(self, tokens: int) -> None:
+        """A generation starts at a context of `tokens`. Costs measured at a context far from it (a
+        new reply after a long document, or a fresh short chat after one) are dropped and measured
+        again: a decode step and a verify grow with the context, and carried over they kept rounds
+        going where plain decoding won (measured in scripts/bench_speculative.py's sweep). The
+        acceptance evidence stays: it decays round by round."""
+        if self._context is not None and abs(tokens - self._context) > max(512, self._context // 2):
+            self._decode.clear()
+            self._draft_level.clear()
+            self._fixed.clear()
+            self._last, self._refreshing, self._probe_depth = None, False, 0
+            self._probe_interval, self._refresh_interval = self.probe_every, 2
+            self._context = tokens
+        elif self._context is None:
+            self._context = tokens
 
     # ------------------------------------------------------------ decisions
     def choose(self) -> int:

@@ -146,6 +146,23 @@ def test_a_probe_measures_the_round_cost_again():
     assert sum(1 for d in dec[-40:] if d) >= 30  # speculating again
 
 
+def test_costs_are_measured_again_at_a_far_context():
+    """Costs measured at a short context are dropped when a generation starts 6k tokens later (a
+    decode step and a verify grow with the context); a nearby start keeps them."""
+    p = SpecPolicy(6, refresh_every=16)
+    p.note_context(24)
+    drive(p, 40, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    p.note_context(300)  # near: kept
+    assert p.decode_s == pytest.approx(10 * MS)
+    p.note_context(6000)
+    assert p.decode_s is None and p.draft_level_s is None and not p.fixed_s
+    assert p.acceptance() == pytest.approx(1.0)  # the acceptance evidence stays
+    start = len(p.decisions)
+    drive(p, 8, 20 * MS, 1 * MS, 30 * MS, lambda d, k: d)
+    assert runs(list(p.decisions)[start:])[:2] == [("r", 2), ("p", 2)]  # measured again, as at the start
+    assert p.decode_s == pytest.approx(20 * MS)
+
+
 # ------------------------------------------------------------------------ the engine, switching
 class Scripted(SpecPolicy):
     """Decisions from a fixed cycle (plain steps and rounds of several depths), whatever is measured."""

@@ -1,9 +1,9 @@
 """The EAGLE-3 drafter: read a checkpoint (both published layouts) and export it to ONNX for the CPU.
 
-Spec: research/eagle3.md §1.1-1.5, design §5. One decoder layer (Llama-style, plain x̂·w RMSNorm,
+Spec: docs/eagle3-drafter.md, docs/speculation.md. One decoder layer (Llama-style, plain x̂·w RMSNorm,
 full RoPE, GQA, SwiGLU) whose first attention input is concat(embedding, feature), 2h wide.
 
-Accepted layouts (eagle3.md §1.4):
+Accepted layouts (docs/eagle3-drafter.md):
 * official / SpecForge: `midlayer.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, optional
   `embed_tokens.weight` (absent: the target's table is shared), `d2t`, `t2d`; config at the top
   level, tap ids optional in `eagle_config.eagle_aux_hidden_state_layer_ids` meaning "output of
@@ -14,7 +14,7 @@ Accepted layouts (eagle3.md §1.4):
   `norm_output` = feed the post-norm hidden back (Eagle 3.1).
 Both canonicalise to the `midlayer.*` names, so they export to identical graphs.
 
-Tap convention (eagle3.md §1.3, the known off-by-one trap): recorded ONLY as "residual stream
+Tap convention (docs/eagle3-drafter.md, the known off-by-one trap): recorded ONLY as "residual stream
 entering layers (a, b, ...)", the quantity our target graphs output as `tap.{j}`.
 
 Export (`export_drafter`): two graphs over one weights file, N (tokens) and past dynamic:
@@ -64,7 +64,7 @@ class DrafterConfig:
     hidden_size: int                 # h
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int                    # honoured when the config has it (eagle3.md §1.1)
+    head_dim: int                    # honoured when the config has it (docs/eagle3-drafter.md)
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
@@ -141,7 +141,7 @@ def _rope(c: dict, hd: int) -> tuple[float, int]:
 
 
 def _taps(raw: dict, layout: str, target_cfg: ModelConfig) -> tuple[tuple[int, ...], str]:
-    """Tap layers as 'residual stream entering layer j' (eagle3.md §1.3)."""
+    """Tap layers as 'residual stream entering layer j' (docs/eagle3-drafter.md)."""
     top = raw.get("eagle_aux_hidden_state_layer_ids")
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if layout == EAGLE3 and top is None and nested is not None:
@@ -158,7 +158,7 @@ def _taps(raw: dict, layout: str, target_cfg: ModelConfig) -> tuple[tuple[int, .
 def read_drafter(path, target_cfg: ModelConfig, target_embedding=None) -> DrafterCheckpoint:
     """A local EAGLE-3 drafter directory (config.json + *.safetensors), checked against the target.
     target_embedding: the target's [V, H] embedding (array or zero-argument callable), used when the
-    drafter has no `embed_tokens.weight` (official checkpoints omit it, eagle3.md §1.4)."""
+    drafter has no `embed_tokens.weight` (official checkpoints omit it, docs/eagle3-drafter.md)."""
     path = Path(path)
     raw = read_config_json(path, "drafter path", "an EAGLE-3 checkpoint")
     cfg_file = path / "config.json"
@@ -271,7 +271,7 @@ def _check_shapes(cfg: DrafterConfig, shapes: dict) -> None:
 
 
 def _draft_to_target(cfg: DrafterConfig, shapes: dict, loaders: dict) -> np.ndarray:
-    """target_id = i + d2t[i] (eagle3.md §1.5); identity when the draft vocabulary is the target's."""
+    """target_id = i + d2t[i] (docs/eagle3-drafter.md); identity when the draft vocabulary is the target's."""
     vd, v = cfg.draft_vocab_size, cfg.vocab_size
     if "d2t" not in shapes:
         if vd != v:
@@ -331,7 +331,7 @@ class _Graphs:
         return g
 
     def step(self) -> GraphBuilder:
-        """One drafter step over N positions (eagle3.md §1.2):
+        """One drafter step over N positions (docs/eagle3-drafter.md):
             x   = concat(input_layernorm(embed(ids)), hidden_norm(f))        [N, 2h], embedding first
             x   = attn(x) + (f | hidden_norm(f) if norm_before_residual)
             x   = x + mlp(post_attention_layernorm(x))

@@ -75,13 +75,13 @@ def gated_delta_masked_ref(q, k, v, g, beta, S, M):
 
 
 def commit_state_ref(S, commit, path: list[int]):
-    """State after the tokens on `path` (root first): e^{G_m}·S + Σ_j e^{G_m - G_j} k̂_j u_jᵀ."""
+    """State after the tokens on `path` (root first): e^{G_m}·S + Σ_j e^{G_m - G_j} k̂_j u_jᵀ, in the
+    dtype of its inputs. The runtime commits a verified path with this very function
+    (runtime/speculative.commit_path); the tests hold it against the sequential recurrence."""
     kh, U, G = commit
-    m = path[-1]
-    S_new = np.exp(G[m])[:, None, None] * S
-    for j in path:
-        S_new = S_new + np.exp(G[m] - G[j])[:, None, None] * kh[j][:, :, None] * U[j][:, None, :]
-    return S_new
+    m, idx = path[-1], np.asarray(path)
+    w = np.exp(G[m][None, :] - G[idx])  # [len, Hv]: the decay after each token on the path
+    return np.exp(G[m])[:, None, None] * S + np.einsum("jh,jhk,jhv->hkv", w, kh[idx], U[idx])
 
 
 # ---------------------------------------------------------------- ONNX formulation

@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter at run time (CPU, ONNX): stable K/V over the accepted context, EAGLE-2 trees.
 
-Spec: research/eagle3.md §1.2 (forward, alignment, stable K/V) and §1.6 (dynamic tree); design §5.
+Spec: docs/eagle3-drafter.md (forward, alignment, stable K/V) and §1.6 (dynamic tree); docs/speculation.md.
 
 Alignment: the drafter pairs the target's fused taps of position t with the token at t+1 and
 predicts t+2. `observe(tokens, features)` takes such pairs (features[i] = taps of the position
@@ -158,7 +158,7 @@ class Eagle3Drafter:
 
     # ---------------------------------------------------------------- tree
     def propose(self, root_token: int, top_k: int, depth: int, total_tokens: int) -> tuple[list[int], list[int]]:
-        """EAGLE-2 dynamic tree under `root_token` (the last observed token), eagle3.md §1.6.
+        """EAGLE-2 dynamic tree under `root_token` (the last observed token), docs/eagle3-drafter.md
 
         Level 1 = top_k of the root's draft distribution; each of depth-1 drafter calls expands the
         top_k frontier (beam by cumulative log-prob) into top_k children each; the tree is the best

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Callable
 
@@ -25,14 +26,13 @@ from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
-from .sampling import check_sampling, choose, model_defaults
+from .generation import CPU_DEVICE, stream
+from .sampling import Sampler, check_sampling, model_defaults
 from .spec_policy import SpecPolicy
-from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
 PREFILL_MODES = ("auto", "npu", "cpu")
-CPU_DEVICE = "CPU"
 
 
 class LazyPipelines(dict):
@@ -76,7 +76,7 @@ class Engine:
             file = graphs[graph]["file"]
             if file not in opened:
                 try:
-                    session = cpu_session(self.path / file, self.manifest, threads)
+                    session = cpu_session(self.path / file, self.manifest, threads, secondary=name == "verify")
                 except Exception as e:  # ORT's own error types: a file it cannot read
                     raise damaged(self.path, file, e) from None
                 check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"])
@@ -103,7 +103,7 @@ class Engine:
         self.checkpoints = Checkpoints(checkpoints)
         self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
                                   self.chunk, memory or self.profile.memory_budget_bytes or None, checkpoints)
-        # EAGLE-2 tree shape (research/eagle3.md §1.6), unless the export records the shape measured
+        # EAGLE-2 tree shape (docs/eagle3-drafter.md), unless the export records the shape measured
         # best for its drafter (scripts/build_embedded_model.py does)
         shape = self.manifest.get("drafter", {}).get("draft_shape", {"top_k": 4, "depth": 6, "total_tokens": 1 << 30})
         self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify["n"] - 1)) if verify else None
@@ -196,14 +196,6 @@ class Engine:
         self._last_out = out
         return out["logits"][0]
 
-    def _policy_for_now(self) -> SpecPolicy:
-        """The policy carries over from reply to reply (its costs and acceptance still hold); a
-        new one when the draft shape's depth changed."""
-        policy = getattr(self, "_policy", None)
-        if policy is None or policy.max_depth != self.draft_shape["depth"] or self._policy_maker is not self.make_policy:
-            self._policy, self._policy_maker = self.make_policy(self), self.make_policy
-        return self._policy
-
     def verify_nodes(self, depth: int) -> int:
         """Nodes the verify graph runs for a draft of `depth` levels: its static N, or on the CPU,
         where the export has the sized graph, the smallest size that holds the largest tree the
@@ -216,21 +208,6 @@ class Engine:
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
         return next((m for m in sizes if m >= real), n)
 
-    def _plain_step(self, token: int, temperature, top_k, top_p, rng, policy) -> int:
-        """One decode step inside a speculative generation: the drafter is shown it later, in one
-        call before the next round (_catch_up_drafter), not one call per plain token."""
-        t0 = time.perf_counter()
-        nxt = choose(self._step("decode", [token]), temperature, top_k, top_p, rng)
-        policy.record_plain(time.perf_counter() - t0)
-        self._drafter_lag.append((nxt, self._taps(self._last_out, [0])[0]))
-        self.spec_stats["plain_steps"] += 1
-        return nxt
-
-    def _catch_up_drafter(self) -> None:
-        if self._drafter_lag:
-            self.drafter.observe([t for t, _ in self._drafter_lag], np.stack([f for _, f in self._drafter_lag]))
-            self._drafter_lag = []
-
     def _taps(self, out: dict[str, np.ndarray], rows) -> np.ndarray:
         """The drafter's feature of the given token rows, its taps concatenated in its order (EAGLE-3:
         low | mid | high; MTP: the residual after the last layer)."""
@@ -238,7 +215,7 @@ class Engine:
         return np.concatenate([out[f"tap.{j}"][rows] for j in order], axis=-1)
 
     def _feed_drafter(self, ids: list[int], taps: np.ndarray) -> None:
-        """EAGLE pairs the target's feature at position t with the token at t+1 (research/eagle3.md
+        """EAGLE pairs the target's feature at position t with the token at t+1 (docs/eagle3-drafter.md
         §1.2): the last feature waits for the token that follows it."""
         if self._tap_pending is not None:
             self.drafter.observe([ids[0]], self._tap_pending[None])
@@ -256,10 +233,6 @@ class Engine:
         """New tokens the plan still allows: each one becomes a row of the context (the last one on
         the next step or save)."""
         return max(self.memory.max_context - self.state.position, 0)
-
-    def _round_fits(self) -> bool:
-        """A speculative round writes a whole tree's rows before it keeps the accepted path."""
-        return self.state.position + self.manifest["graphs"]["verify"]["n"] <= self.memory.max_context
 
     def memory_report(self) -> dict:
         """Fixed and per-token costs, the context now and the largest one the budget allows."""
@@ -401,114 +374,17 @@ class Engine:
         checkpoint_at: context positions inside this prefill at which to keep a turn checkpoint.
         temperature/top_k/top_p left None take the model's defaults (sampling_defaults: its
         generation_config; greedy unless that says do_sample); temperature 0 is greedy."""
-        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-        d = self.sampling_defaults
-        temperature = d["temperature"] if temperature is None else temperature
-        top_k = d["top_k"] if top_k is None else top_k
-        top_p = d["top_p"] if top_p is None else top_p
-        speculative = self.drafter is not None if speculative is None else speculative
-        if speculative and self.drafter is None:
-            raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")
-        rng = np.random.default_rng(seed)
-        if not append:
-            self.reset()
-        ids = self._pending + list(prompt_ids)  # the last reply's final token is not yet in the state
-        self._check_fits(len(ids) + 1)  # the prompt and at least one new token
-        pending, self._pending = self._pending, []
-        t0 = time.perf_counter()
-        try:
-            logits = self.prefill(ids, progress, checkpoint_at)
-        except UserError:  # refused before any work: the context is as it was
-            self._pending = pending
-            raise
-        limit = min(max_new_tokens, self._room())  # the memory plan bounds decode and speculation too
-        t_prefill = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        token = choose(logits, temperature, top_k, top_p, rng)
-        new = [token]
-        self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
-        policy = self._policy_for_now() if speculative and self.adaptive else None
-        if self.drafter is not None and self._tap_pending is not None:
-            self.drafter.observe([token], self._tap_pending[None])
-            self._tap_pending = None
-        done = lambda: ((stop_at_eos and new[-1] in self.config.eos_token_ids) or len(new) >= limit  # noqa: E731
-                        or (should_stop is not None and should_stop()))
-        if on_token:
-            on_token(token)
-        while not done():
-            depth = (policy.choose() if policy else self.draft_shape["depth"]) if speculative else 0
-            if depth and self._round_fits():  # near the plan's limit the last tokens decode plainly
-                emitted = self._speculative_round(new[-1], limit - len(new), stop_at_eos,
-                                                  temperature, top_k, top_p, rng, depth, policy)
-            elif speculative:
-                emitted = [self._plain_step(new[-1], temperature, top_k, top_p, rng, policy)]
-            else:
-                emitted = [choose(self._step("decode", [new[-1]]), temperature, top_k, top_p, rng)]
-            for t in emitted:
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)  # max_new_tokens named first
+        sampler = Sampler.from_defaults(self.sampling_defaults, temperature, top_k, top_p, seed)
+        new: list[int] = []
+        with closing(stream(self, prompt_ids, sampler, max_new_tokens, stop_at_eos=stop_at_eos, append=append,
+                            speculative=speculative, progress=progress, should_stop=should_stop,
+                            checkpoint_at=checkpoint_at)) as tokens:
+            for t in tokens:
                 new.append(t)
                 if on_token:
                     on_token(t)
-        if speculative:
-            self._catch_up_drafter()  # the next turn's prefill continues the drafter from new[-1]
-        t_decode = time.perf_counter() - t1
-        self._pending = new[-1:]
-        self.last_stats = {
-            "prefill_tokens": len(ids), "prefill_tokens_per_s": len(ids) / max(t_prefill, 1e-9),
-            "prefill_device": self._prefill_devices, "decode_tokens": len(new),
-            "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": CPU_DEVICE,
-            "ttft_s": t_prefill, "context_tokens": self.state.position + len(self._pending),
-            "finish_reason": _finish_reason(new, stop_at_eos, self.config.eos_token_ids, should_stop),
-            "context_full": len(new) >= limit and limit < max_new_tokens,
-        }
-        if speculative:
-            r = self.spec_stats
-            self.last_stats.update(rounds=r["rounds"], plain_steps=r["plain_steps"], draft_s=r["draft_s"],
-                                   verify_s=r["verify_s"],
-                                   verify_device=r.get("verify_device", CPU_DEVICE),
-                                   acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1))
         return new
-
-    def _speculative_round(self, root: int, room: int, stop_at_eos: bool, temperature: float, top_k: int,
-                           top_p: float, rng, depth: int | None = None, policy: SpecPolicy | None = None) -> list[int]:
-        """Draft a tree of `depth` levels (default: the draft shape's) under `root`, verify it in
-        one pass, commit the accepted path; returns the tokens it emits (accepted drafts + the
-        target's bonus token), at most `room`. policy: told what the round cost and accepted."""
-        depth = self.draft_shape["depth"] if depth is None else depth
-        n = self.verify_nodes(depth)
-        tc = time.perf_counter()
-        self._catch_up_drafter()
-        t0 = time.perf_counter()
-        draft_tokens, draft_parents = self.drafter.propose(root, **dict(self.draft_shape, depth=depth))
-        tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
-        t1 = time.perf_counter()
-        self._check_fits(n)
-        t_max = self.profile.attention_capacity
-        on_npu = "npu_verify" in self.pipelines and self.state.position + n <= t_max
-        if on_npu and self.state.capacity != t_max:
-            self.state.resize(t_max)  # the NPU graphs read exactly T_max rows; kept for the next rounds
-        out = self.pipelines["npu_verify" if on_npu else "verify"].run(tree_feed(self.config, self.state, tree))
-        self.spec_stats["verify_device"] = NPU_DEVICE if on_npu else CPU_DEVICE
-        if temperature <= 0.0:
-            path, bonus = accept_greedy(out["logits"], tree, n_real)
-        else:
-            path, bonus = accept_sampled(out["logits"], tree, n_real, temperature, top_k, top_p, rng)
-        accepted_drafts = len(path) - 1
-        emitted = [tree.tokens[j] for j in path[1:]] + [bonus]
-        if stop_at_eos:  # nothing after an end-of-sequence token
-            cut = next((i for i, t in enumerate(emitted) if t in self.config.eos_token_ids), None)
-            emitted = emitted if cut is None else emitted[: cut + 1]
-        emitted = emitted[:room]
-        path = path[: len(emitted)]  # the root and the drafts before the last emitted token
-        commit_path(self.state, out, tree, path, self.config.linear_conv_kernel_dim)
-        self.drafter.observe(emitted, self._taps(out, np.array(path)))
-        t2 = time.perf_counter()
-        if policy is not None:  # what the target accepted, before any cut (room, end of sequence)
-            policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1)
-        self.spec_stats["rounds"] += 1
-        self.spec_stats["accepted"] += len(path) - 1
-        self.spec_stats["draft_s"] += t1 - tc
-        self.spec_stats["verify_s"] += t2 - t1
-        return emitted
 
     def context_ids(self) -> list[int]:
         """Every token of the conversation so far: the committed ones and the last reply's final
@@ -544,12 +420,3 @@ class Engine:
             self.drafter.reset()
         return extra
 
-
-def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> str:
-    """"stop": end of turn; "interrupted": should_stop (Ctrl-C); "length": max_new_tokens or the
-    memory plan's context limit (last_stats["context_full"] says which)."""
-    if stop_at_eos and new[-1] in eos_ids:
-        return "stop"
-    if should_stop is not None and should_stop():
-        return "interrupted"
-    return "length"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,3 +66,34 @@ def model_defaults(generation: dict) -> dict:
     sample = bool(generation.get("do_sample", False))
     return {"temperature": float(generation.get("temperature", 1.0)) if sample else 0.0,
             "top_k": int(generation.get("top_k", 0)), "top_p": float(generation.get("top_p", 1.0))}
+
+
+@dataclass
+class Sampler:
+    """How tokens are chosen from logits: temperature (0 = greedy), top_k (0 = off), top_p, and the
+    random generator seeded once per generation (plain steps and speculative rounds draw from it)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.seed)
+
+    @classmethod
+    def from_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None, seed=None) -> "Sampler":
+        """The settings given, checked (check_sampling), the model's defaults (model_defaults) for
+        those left None."""
+        check_sampling(1, temperature, top_k, top_p, seed)
+        return cls(defaults["temperature"] if temperature is None else temperature,
+                   defaults["top_k"] if top_k is None else top_k,
+                   defaults["top_p"] if top_p is None else top_p, seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def choose(self, logits: np.ndarray) -> int:
+        return choose(logits, self.temperature, self.top_k, self.top_p, self.rng)
+

@@ -1,4 +1,4 @@
-"""One speculative round on a hybrid target (design §5): verify a whole draft tree in one pass,
+"""One speculative round on a hybrid target (docs/speculation.md): verify a whole draft tree in one pass,
 accept a path, and commit the state along it from small per-node tensors, with no re-run.
 
 The verify graph returns for every node its logits, the GDN commit tensors (k̂, u, G per layer
@@ -16,6 +16,7 @@ import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.kernels.conv import tree_conv_select
+from hybrid_npu.kernels.delta_rule import commit_state_ref
 
 from .sampling import filtered_probs
 from .state import State
@@ -85,7 +86,7 @@ def accept_greedy(logits: np.ndarray, tree: Tree, n_real: int) -> tuple[list[int
 
 def accept_sampled(logits: np.ndarray, tree: Tree, n_real: int, temperature: float, top_k: int, top_p: float,
                    rng: np.random.Generator) -> tuple[list[int], int]:
-    """Multi-candidate rejection with deterministic drafts (research/eagle3.md §1.7).
+    """Multi-candidate rejection with deterministic drafts (docs/eagle3-drafter.md).
 
     Why lossless: at a node the target's distribution is p. A draft x treated as a point mass q is
     accepted with probability min(1, p(x)/q(x)) = p(x); on rejection the exact residual is
@@ -116,13 +117,10 @@ def accept_sampled(logits: np.ndarray, tree: Tree, n_real: int, temperature: flo
 
 def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list[int], k: int) -> None:
     """Advance the state by the tokens of `path` (root first) from the verify outputs."""
-    m = path[-1]
     idx = np.array(path)
     for i, layer in state.gdn.items():
-        kh, u, G = out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"]
-        w = np.exp(G[m][None, :] - G[idx])  # [len, Hv]
-        layer.recurrent = (np.exp(G[m])[:, None, None] * layer.recurrent
-                           + np.einsum("jh,jhk,jhv->hkv", w, kh[idx], u[idx])).astype(np.float32)
+        commit = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"])
+        layer.recurrent = commit_state_ref(layer.recurrent, commit, path).astype(np.float32)
         window = np.concatenate([layer.conv, out[f"pre_conv.{i}"][idx].T], axis=1)
         layer.conv = np.ascontiguousarray(window[:, -(k - 1):])
     pos = state.position

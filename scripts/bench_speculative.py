@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -85,6 +86,14 @@ def run(engine, prompts, new, mode, long_context=False):
     return row, outputs
 
 
+def machine() -> str:
+    """The CPU by name (Linux: /proc/cpuinfo's model name, what lscpu prints) and its core count."""
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+             if line.startswith("model name")] if info.is_file() else []
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="an export with drafter/ (default: the embedded model)")
@@ -112,7 +121,7 @@ def main() -> int:
         return 2
     prefix = {kind: f"{kind}_" if args.drafter else "" for kind in engines}
     prompts = held_out_prompts(args.prompts)
-    result = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "threads": args.threads,
+    result = {"machine": machine(), "load_average_at_start": os.getloadavg(), "threads": args.threads,
               "note": "machine shared with other jobs; modes interleaved per repeat, best repeat kept",
               "repeats": args.repeats, "greedy": True, "chat": {}, "context": []}
     chat_modes = [("plain", None, engine)] + [(f"{prefix[kind]}{shape}_{mode}", (shape, mode), e)
@@ -163,6 +172,7 @@ def main() -> int:
             row["vs_plain"] = round(row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"], 2)
         result["context"].append({"context_tokens": ctx, "new_tokens": args.context_new, "rows": rows})
         print(json.dumps(result["context"][-1]), file=sys.stderr, flush=True)
+    result["load_average_at_end"] = os.getloadavg()
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -42,10 +42,10 @@ def source_tokens(tokenizer, n: int) -> list[int]:
     return ids
 
 
-def verify_nodes(engine, real: int) -> int:
-    """The verify graph's node count for a tree of `real` nodes (static N, or sized to the tree)."""
-    size = getattr(engine, "verify_size", None)
-    return size(real) if size else engine.manifest["graphs"]["verify"]["n"]
+def verify_nodes(engine) -> int:
+    """The verify graph's node count for the draft shape: what the engine runs (static N, or the
+    CPU verify graph's size that holds the tree)."""
+    return engine.verify_nodes(engine.draft_shape["depth"])
 
 
 def timed_round(engine, root: int) -> tuple[dict[str, float], list[int]]:
@@ -55,7 +55,7 @@ def timed_round(engine, root: int) -> tuple[dict[str, float], list[int]]:
     t0 = CLOCK()
     tokens, parents = engine.drafter.propose(root, **engine.draft_shape)
     t1 = CLOCK()
-    tree, n_real = Tree.from_draft(root, tokens, parents, verify_nodes(engine, len(tokens) + 1))
+    tree, n_real = Tree.from_draft(root, tokens, parents, verify_nodes(engine))
     feed = tree_feed(engine.config, engine.state, tree)
     t2 = CLOCK()
     out = engine.pipelines["verify"].run(feed)
@@ -120,7 +120,8 @@ def main() -> int:
                     best[w][name] = min(best[w].get(name, 1e9), sec)
                 root = emitted[-1]
         for w in windows:
-            row = {"context": len(prompt), "drafter_window": w, "decode_step": round(1e3 * decode, 3),
+            row = {"context": len(prompt), "drafter_window": w, "verify_nodes": verify_nodes(engine),
+                   "decode_step": round(1e3 * decode, 3),
                    **{k: round(1e3 * v, 3) for k, v in best[w].items()}}
             row["round_total"] = round(sum(1e3 * v for v in best[w].values()), 3)
             row["round_over_decode"] = round(row["round_total"] / row["decode_step"], 2)

@@ -174,14 +174,15 @@ def runtime_acceptance(target: Path, drafter_dir: Path, prompts, gen_tokens: int
         export_s = time.perf_counter() - t0
         engine = hybrid_npu.load(out, threads=threads)
         per_round: list[int] = []
-        speculate = engine._speculative_round
+        from hybrid_npu.runtime import generation
+        speculate = generation.speculative_round
 
         def counted(*a, **kw):  # instrumentation only: accepted drafts of each round
             before = engine.spec_stats["accepted"]
             emitted = speculate(*a, **kw)
             per_round.append(engine.spec_stats["accepted"] - before)
             return emitted
-        engine._speculative_round = counted
+        generation.speculative_round = counted  # put back below: the module is the process's
         rows = []
         for p in prompts:
             t1 = time.perf_counter()
@@ -193,6 +194,7 @@ def runtime_acceptance(target: Path, drafter_dir: Path, prompts, gen_tokens: int
             rows.append({"prompt_tokens": len(p), "tokens": len(spec), "lossless": spec == plain,
                          "rounds": s["rounds"], "acceptance_length": round(s["acceptance_length"], 4),
                          "plain_s": round(t2 - t1, 3), "speculative_s": round(t3 - t2, 3)})
+        generation.speculative_round = speculate
     a = np.array(per_round)
     rounds = max(len(a), 1)
     return {"export_s": round(export_s, 1), "prompts": len(rows), "all_lossless": all(r["lossless"] for r in rows),

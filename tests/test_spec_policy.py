@@ -52,10 +52,13 @@ def test_a_drafter_that_is_always_right_speculates_at_full_depth():
 def test_a_drafter_that_is_never_right_falls_back_and_probes_less_and_less():
     p = SpecPolicy(6, probe_every=8, max_probe_every=32)
     dec = drive(p, 200, 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
-    probes = [i for i, d in enumerate(dec) if d][2:]  # after the two measuring rounds
-    gaps = np.diff([1] + probes) - 1  # plain steps before each probe
-    assert list(gaps[:4]) == [8, 16, 32, 32]
-    assert sum(1 for d in dec if d) <= 10  # of 200 steps
+    r = runs(dec)
+    assert r[0] == ("r", 2)  # the two measuring rounds
+    probes = [n for kind, n in r[1:] if kind == "r"]
+    gaps = [n for kind, n in r[1:] if kind == "p"]  # plain steps before each probe
+    assert probes[:4] == [2, 2, 2, 2]  # each probe two rounds: the second measures the round's cost again
+    assert gaps[:4] == [8, 16, 32, 32]
+    assert sum(1 for d in dec if d) <= 16  # of 200 steps
 
 
 def test_one_slow_first_decode_step_does_not_hold_speculation_on():
@@ -64,7 +67,7 @@ def test_one_slow_first_decode_step_does_not_hold_speculation_on():
     p = SpecPolicy(6, probe_every=8, max_probe_every=8)
     dec = drive(p, 40, lambda k: 50 * MS if k <= 1 else 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
     assert runs(dec)[:5] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4)]
-    assert runs(dec)[5:9] == [("p", 8), ("r", 1), ("p", 8), ("r", 1)]  # then plain, and probes only
+    assert runs(dec)[5:9] == [("p", 8), ("r", 2), ("p", 8), ("r", 2)]  # then plain, and two-round probes only
 
 
 def test_a_cost_right_after_the_other_kind_of_step_is_not_kept():
@@ -110,6 +113,54 @@ def test_verify_cost_is_kept_per_graph_size():
     p.record_round(3, 3, 3 * MS, 9 * MS)
     assert p.round_cost(1) == pytest.approx(p.draft_level_s + 2 * MS)
     assert p.round_cost(4) == pytest.approx(4 * p.draft_level_s + 9 * MS)
+
+
+def test_a_smaller_verify_size_never_costs_more_than_a_larger_measured_one():
+    """A 4-node verify measured once under a load spike (30 ms) and never chosen again must not price
+    depths 1-3 above the 8-node graph's measured 9 ms: it is charged 9 ms, unmeasured 2 nodes too."""
+    p = SpecPolicy(6, verify_nodes=lambda d: 2 if d == 1 else 4 if d <= 3 else 8)
+    p.record_round(2, 2, 2 * MS, 30 * MS)  # the first of a run: not kept
+    p.record_round(2, 2, 2 * MS, 30 * MS)
+    for _ in range(4):
+        p.record_round(6, 6, 6 * MS, 9 * MS)
+    assert p.fixed_s == {4: pytest.approx(30 * MS), 8: pytest.approx(9 * MS)}
+    for d in (1, 2, 3):
+        assert p.round_cost(d) == pytest.approx(9 * MS + d * p.draft_level_s)
+
+
+def test_a_probe_measures_the_round_cost_again():
+    """A round cost measured high once (a load spike) is re-measured by the next probe, so the
+    policy goes back to speculating when rounds are cheap again."""
+    p = SpecPolicy(6, probe_every=8, max_probe_every=8)
+    cost = {"fixed": 200 * MS}
+    dec = []
+    for step in range(120):
+        d = p.choose()
+        dec.append(d)
+        if d:
+            p.record_round(d, d, d * 1 * MS, cost["fixed"])
+            cost["fixed"] = 15 * MS  # the spike is over after the first rounds
+        else:
+            p.record_plain(10 * MS)
+    assert p.fixed_s[0] == pytest.approx(15 * MS)
+    assert sum(1 for d in dec[-40:] if d) >= 30  # speculating again
+
+
+def test_costs_are_measured_again_at_a_far_context():
+    """Costs measured at a short context are dropped when a generation starts 6k tokens later (a
+    decode step and a verify grow with the context); a nearby start keeps them."""
+    p = SpecPolicy(6, refresh_every=16)
+    p.note_context(24)
+    drive(p, 40, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    p.note_context(300)  # near: kept
+    assert p.decode_s == pytest.approx(10 * MS)
+    p.note_context(6000)
+    assert p.decode_s is None and p.draft_level_s is None and not p.fixed_s
+    assert p.acceptance() == pytest.approx(1.0)  # the acceptance evidence stays
+    start = len(p.decisions)
+    drive(p, 8, 20 * MS, 1 * MS, 30 * MS, lambda d, k: d)
+    assert runs(list(p.decisions)[start:])[:2] == [("r", 2), ("p", 2)]  # measured again, as at the start
+    assert p.decode_s == pytest.approx(20 * MS)
 
 
 # ------------------------------------------------------------------------ the engine, switching

@@ -11,7 +11,8 @@ from scipy.stats import chisquare
 import fixtures
 import hybrid_npu
 from hybrid_npu.export.exporter import export
-from hybrid_npu.runtime.sampling import choose, filtered_probs
+from hybrid_npu.runtime.generation import speculative_round, stream
+from hybrid_npu.runtime.sampling import Sampler, choose, filtered_probs
 from hybrid_npu.runtime.speculative import Tree, accept_sampled, tree_feed
 
 
@@ -83,6 +84,7 @@ def test_greedy_speculative_output_is_the_plain_output(text_tied, plain_greedy, 
     engine.drafter = {"random": RandomDrafter(320, chain=chain),
                       "oracle": OracleDrafter(320, engine, sequence, chain=chain),
                       "partial": OracleDrafter(320, engine, sequence, wrong_rate=0.3, chain=chain)}[kind]
+    engine.adaptive = False  # a round every step: the acceptance bound must not hang on the policy's timings
     out = engine.generate(PROMPT, 256, stop_at_eos=False)
     assert out == plain_greedy
     stats = engine.last_stats
@@ -95,6 +97,24 @@ def test_greedy_speculative_output_is_the_plain_output(text_tied, plain_greedy, 
           f"rounds {stats['rounds']}")
 
 
+def test_stream_yields_the_plain_tokens_and_a_closed_stream_keeps_its_context(text_tied, plain_greedy):
+    """stream() is generate() token by token; closed inside a round, the round's tokens stay in the
+    context and the next generation continues exactly where plain decoding would."""
+    engine = hybrid_npu.load(text_tied.out)
+    engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, wrong_rate=0.3, seed=5)
+    engine.adaptive = False  # every step a round
+    assert list(stream(engine, PROMPT, Sampler(), 64, stop_at_eos=False)) == plain_greedy[:64]
+    assert engine.last_stats["rounds"] > 0 and engine.last_stats["decode_tokens"] == 64
+    tokens = stream(engine, PROMPT, Sampler(), 64, stop_at_eos=False)
+    taken = [next(tokens) for _ in range(10)]
+    tokens.close()
+    kept = engine.context_ids()
+    assert taken == plain_greedy[:10] and kept == (PROMPT + plain_greedy)[: len(kept)] and len(kept) >= len(PROMPT) + 10
+    more = engine.generate([], 20, append=True, stop_at_eos=False)
+    n = len(kept) - len(PROMPT)
+    assert more == plain_greedy[n: n + 20]
+
+
 def test_committed_state_equals_plain_decoding_of_the_accepted_tokens(text_tied, plain_greedy):
     spec = hybrid_npu.load(text_tied.out)
     spec.drafter = OracleDrafter(320, spec, PROMPT + plain_greedy, wrong_rate=0.3, seed=3)
@@ -103,7 +123,7 @@ def test_committed_state_equals_plain_decoding_of_the_accepted_tokens(text_tied,
     plain.prefill_logits(PROMPT)
     root = plain_greedy[0]
     for _ in range(6):  # several rounds, each compared
-        emitted = spec._speculative_round(root, 100, False, 0.0, 0, 1.0, None)
+        emitted = speculative_round(spec, root, 100, False, Sampler())  # one greedy round
         for t in [root] + emitted[:-1]:
             plain._step("decode", [t])
         root = emitted[-1]

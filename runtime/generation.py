@@ -1,0 +1,183 @@
+"""Generation after the prefill, as a generator of tokens: plain decode steps, or speculative
+rounds (draft a tree, verify it in one pass, commit the accepted path) with plain steps between
+them where the policy (spec_policy.py) says a round does not pay. Engine.generate collects
+`stream`; a caller that wants tokens as they come iterates it (as mlx-lm's stream_generate).
+
+The output is the target's whatever the steps are (docs/speculation.md): a plain step emits the
+sampler's choice from the target's logits, a round the target's argmax path (greedy) or tokens
+each distributed as the target's conditional (sampled, speculative.accept_sampled).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+from hybrid_npu.errors import UserError
+
+from .npu_sessions import NPU_DEVICE
+from .sampling import Sampler, check_sampling
+from .spec_policy import SpecPolicy
+from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
+
+CPU_DEVICE = "CPU"
+
+
+def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_new_tokens: int = 256, *,
+           stop_at_eos: bool = True, append: bool = False, speculative: bool | None = None,
+           progress: Callable[[int, int], None] | None = None, should_stop: Callable[[], bool] | None = None,
+           checkpoint_at=()) -> Iterator[int]:
+    """Prefill `prompt_ids`, then yield each new token as it is decided (Engine.generate's arguments;
+    sampler: default the model's own, Sampler.from_defaults). engine.last_stats describes the
+    generation once the iterator is done or closed. A speculative round commits several tokens at
+    once: closing the iterator inside a round keeps the round's tokens in the context
+    (engine.context_ids()) though they were not all yielded."""
+    check_sampling(max_new_tokens, None)
+    sampler = sampler if sampler is not None else Sampler.from_defaults(engine.sampling_defaults)
+    speculative = engine.drafter is not None if speculative is None else speculative
+    if speculative and engine.drafter is None:
+        raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")
+    if not append:
+        engine.reset()
+    ids = engine._pending + list(prompt_ids)  # the last reply's final token is not yet in the state
+    engine._check_fits(len(ids) + 1)  # the prompt and at least one new token
+    pending, engine._pending = engine._pending, []
+    t0 = time.perf_counter()
+    try:
+        logits = engine.prefill(ids, progress, checkpoint_at)
+    except UserError:  # refused before any work: the context is as it was
+        engine._pending = pending
+        raise
+    limit = min(max_new_tokens, engine._room())  # the memory plan bounds decode and speculation too
+    t_prefill = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    new = [sampler.choose(logits)]
+    engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
+    policy = policy_for(engine) if speculative and engine.adaptive else None
+    if policy is not None:
+        policy.note_context(engine.state.position)
+    if engine.drafter is not None and engine._tap_pending is not None:
+        engine.drafter.observe([new[0]], engine._tap_pending[None])
+        engine._tap_pending = None
+    done = lambda: ((stop_at_eos and new[-1] in engine.config.eos_token_ids) or len(new) >= limit  # noqa: E731
+                    or (should_stop is not None and should_stop()))
+    try:
+        yield new[0]
+        while not done():
+            depth = (policy.choose() if policy else engine.draft_shape["depth"]) if speculative else 0
+            if depth and round_fits(engine):  # near the plan's limit the last tokens decode plainly
+                emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
+            elif speculative:
+                emitted = [plain_step(engine, new[-1], sampler, policy)]
+            else:
+                emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
+            new.extend(emitted)  # in the context now, whether or not the caller takes them all
+            yield from emitted
+    finally:
+        if speculative:
+            catch_up_drafter(engine)  # the next turn's prefill continues the drafter from new[-1]
+        t_decode = time.perf_counter() - t1
+        engine._pending = new[-1:]
+        engine.last_stats = {
+            "prefill_tokens": len(ids), "prefill_tokens_per_s": len(ids) / max(t_prefill, 1e-9),
+            "prefill_device": engine._prefill_devices, "decode_tokens": len(new),
+            "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": CPU_DEVICE,
+            "ttft_s": t_prefill, "context_tokens": engine.state.position + len(engine._pending),
+            "finish_reason": _finish_reason(new, stop_at_eos, engine.config.eos_token_ids, should_stop),
+            "context_full": len(new) >= limit and limit < max_new_tokens,
+        }
+        if speculative:
+            r = engine.spec_stats
+            engine.last_stats.update(rounds=r["rounds"], plain_steps=r["plain_steps"], draft_s=r["draft_s"],
+                                     verify_s=r["verify_s"], verify_device=r.get("verify_device", CPU_DEVICE),
+                                     acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1))
+
+
+def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> str:
+    """"stop": end of turn; "interrupted": should_stop (Ctrl-C); "length": max_new_tokens or the
+    memory plan's context limit (last_stats["context_full"] says which)."""
+    if stop_at_eos and new[-1] in eos_ids:
+        return "stop"
+    if should_stop is not None and should_stop():
+        return "interrupted"
+    return "length"
+
+
+# ---------------------------------------------------------------- speculation
+def policy_for(engine) -> SpecPolicy:
+    """The policy carries over from reply to reply (its costs and acceptance still hold); a new one
+    when the draft shape's depth changed or engine.make_policy was replaced."""
+    policy = getattr(engine, "_policy", None)
+    if (policy is None or policy.max_depth != engine.draft_shape["depth"]
+            or engine._policy_maker is not engine.make_policy):
+        engine._policy, engine._policy_maker = engine.make_policy(engine), engine.make_policy
+    return engine._policy
+
+
+def round_fits(engine) -> bool:
+    """A speculative round writes a whole tree's rows before it keeps the accepted path."""
+    return engine.state.position + engine.manifest["graphs"]["verify"]["n"] <= engine.memory.max_context
+
+
+def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) -> int:
+    """One decode step inside a speculative generation: the drafter is shown it later, in one call
+    before the next round (catch_up_drafter), not one call per plain token."""
+    t0 = time.perf_counter()
+    nxt = sampler.choose(engine._step("decode", [token]))
+    if policy is not None:
+        policy.record_plain(time.perf_counter() - t0)
+    engine._drafter_lag.append((nxt, engine._taps(engine._last_out, [0])[0]))
+    engine.spec_stats["plain_steps"] += 1
+    return nxt
+
+
+def catch_up_drafter(engine) -> None:
+    if engine._drafter_lag:
+        lag, engine._drafter_lag = engine._drafter_lag, []
+        engine.drafter.observe([t for t, _ in lag], np.stack([f for _, f in lag]))
+
+
+def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: Sampler, depth: int | None = None,
+                      policy: SpecPolicy | None = None) -> list[int]:
+    """Draft a tree of `depth` levels (default: the draft shape's) under `root`, verify it in one
+    pass, commit the accepted path; returns the tokens it emits (accepted drafts + the target's bonus
+    token), at most `room`. policy: told what the round cost and accepted."""
+    depth = engine.draft_shape["depth"] if depth is None else depth
+    n = engine.verify_nodes(depth)
+    tc = time.perf_counter()
+    catch_up_drafter(engine)
+    t0 = time.perf_counter()
+    draft_tokens, draft_parents = engine.drafter.propose(root, **dict(engine.draft_shape, depth=depth))
+    tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
+    t1 = time.perf_counter()
+    engine._check_fits(n)
+    state, t_max = engine.state, engine.profile.attention_capacity
+    on_npu = "npu_verify" in engine.pipelines and state.position + n <= t_max
+    if on_npu and state.capacity != t_max:
+        state.resize(t_max)  # the NPU graphs read exactly T_max rows; kept for the next rounds
+    out = engine.pipelines["npu_verify" if on_npu else "verify"].run(tree_feed(engine.config, state, tree))
+    engine.spec_stats["verify_device"] = NPU_DEVICE if on_npu else CPU_DEVICE
+    if sampler.greedy:
+        path, bonus = accept_greedy(out["logits"], tree, n_real)
+    else:
+        path, bonus = accept_sampled(out["logits"], tree, n_real, sampler.temperature, sampler.top_k,
+                                     sampler.top_p, sampler.rng)
+    accepted_drafts = len(path) - 1
+    emitted = [tree.tokens[j] for j in path[1:]] + [bonus]
+    if stop_at_eos:  # nothing after an end-of-sequence token
+        cut = next((i for i, t in enumerate(emitted) if t in engine.config.eos_token_ids), None)
+        emitted = emitted if cut is None else emitted[: cut + 1]
+    emitted = emitted[:room]
+    path = path[: len(emitted)]  # the root and the drafts before the last emitted token
+    commit_path(state, out, tree, path, engine.config.linear_conv_kernel_dim)
+    engine.drafter.observe(emitted, engine._taps(out, np.array(path)))
+    t2 = time.perf_counter()
+    if policy is not None:  # what the target accepted, before any cut (room, end of sequence)
+        policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1)
+    stats = engine.spec_stats
+    stats["rounds"] += 1
+    stats["accepted"] += len(path) - 1
+    stats["draft_s"] += t1 - tc
+    stats["verify_s"] += t2 - t1
+    return emitted

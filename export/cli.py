@@ -109,6 +109,7 @@ def main(argv=None) -> int:
 def run(args, prog: str = "export-hybrid") -> int:
     """Export (or --check-npu) from parsed arguments; the exit code. prog names us in messages."""
     from hybrid_npu.export.exporter import export
+    from hybrid_npu.export.options import ExportOptions
     from hybrid_npu.export.parity import ParityError
     from hybrid_npu.export.summary import summary_lines
 
@@ -121,11 +122,7 @@ def run(args, prog: str = "export-hybrid") -> int:
             return _check_npu(args, say)
         if not args.source or not args.output:
             raise UserError("give SOURCE and OUTPUT directories (or --check-npu EXPORT --profile P)")
-        manifest = export(args.source, args.output, chunk=args.chunk, dtype=args.dtype, force=args.force,
-                          profile=args.profile, compile_context=not args.no_compile, verify=args.verify,
-                          drafter=args.drafter, progress=say, weights=args.weights, block_size=args.block_size,
-                          asymmetric=args.asymmetric, max_context=args.max_context, npu_quant=args.npu_quant,
-                          calibration=args.calibration, head_bits=args.head_bits,
+        manifest = export(args.source, args.output, ExportOptions.from_args(args), force=args.force, progress=say,
                           check=None if args.no_parity else lambda d, m: _parity(d, m, parity),
                           warn=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr, flush=True))
     except UserError as e:

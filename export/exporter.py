@@ -22,7 +22,6 @@ from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_GRAPHS, STORAGE_DTYPES as DTYPES
 
-from hybrid_npu.profiles.loader import load_profile
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
@@ -32,15 +31,12 @@ from hybrid_npu import integrity
 from .manifest import FORMAT, MANIFEST, value_infos
 from .out_dir import check_output, finish_partial, make_partial, os_error_line, remove_stale_partials
 from .parts import htp_itemsize, plan_parts
-from .qdq import NPU_QUANT_MODES, quantize_parts, read_calibration
-from .quantize import quant_spec
+from .options import ExportOptions, ExportPlan
+from .qdq import quantize_parts, read_calibration
 from .step_graph import Kind, StepSpec, build_step_graph
 from .weights import WeightPlan
 
 WEIGHTS_FILE = "weights.bin"
-DEFAULT_CHUNK = 128
-DEFAULT_VERIFY = 32
-MAX_CHUNK = 4096  # the prefill graph's scores are [C, T + C] per head: 4096 is far past any NPU's sweet spot
 
 
 def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
@@ -79,55 +75,41 @@ def state_layout(cfg: ModelConfig) -> list[dict]:
     return layers
 
 
-def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bool = False, profile=None,
-           compile_context: bool = True, verify: int | None = None, drafter=None,
-           progress: Callable[[str], None] | None = None, weights: str = "float", block_size: int | None = None,
-           asymmetric: bool = False, max_context: int | None = None, npu_quant: str | None = None,
-           calibration=None, head_bits: int | None = None, check: Callable[[Path, dict], None] | None = None,
-           warn: Callable[[str], None] | None = None, mtp=None) -> dict:
-    """profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
+def export(src, out, options: ExportOptions | None = None, *, force: bool = False,
+           progress: Callable[[str], None] | None = None, check: Callable[[Path, dict], None] | None = None,
+           warn: Callable[[str], None] | None = None, **fields) -> dict:
+    """Export the checkpoint in src into out, as `options` say (export/options.py; or give its
+    fields as keywords: export(src, out, chunk=8, weights="int4")).
+    profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
     HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries.
     weights int8/int4: every linear layer block-quantised for the CPU (export/quantize.py); dtype
     then applies to what stays float. The drafter stays float. With an NPU profile the NPU parts
     are quantised too: npu_quant "qdq" (default; w8a16/w4a16 calibrated on the text file
     `calibration`, export/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
     max_context: the NPU graphs' K/V capacity T_max instead of the profile's (whole chunks).
-    check(dir, manifest): runs on the finished export before it is moved into place (parity);
-    whatever it raises leaves nothing written. warn(msg): what the export accepts but the user
-    should know (default: a line on stderr).
     drafter "mtp": the checkpoint's own MTP head (`mtp.*`) drafts (export/mtp_drafter.py), in mtp/;
     a directory: an EAGLE-3 drafter, in drafter/. mtp (a directory whose safetensors hold `mtp.*`
-    trained for this target): an MTP drafter too, beside the EAGLE-3 one (which stays the default)."""
+    trained for this target): an MTP drafter too, beside the EAGLE-3 one (which stays the default).
+    check(dir, manifest): runs on the finished export before it is moved into place (parity);
+    whatever it raises leaves nothing written. warn(msg): what the export accepts but the user
+    should know (default: a line on stderr)."""
+    if options is not None and fields:
+        raise TypeError("give export() an ExportOptions or its fields as keywords, not both")
+    plan = (options or ExportOptions(**fields)).resolve()
     src, out = Path(src), Path(out)
-    prof = load_profile(profile) if profile is not None else None
-    chunk = chunk if chunk is not None else (prof.prefill_chunk if prof else DEFAULT_CHUNK)
-    verify = verify if verify is not None else (prof.verify_tree_size if prof else DEFAULT_VERIFY)
-    if not 2 <= verify <= 512:
-        raise UserError(f"--verify must be between 2 and 512 tree nodes (got {verify})")
-    if chunk < 2:
-        raise UserError(f"--chunk must be at least 2 (got {chunk}); decode uses its own 1-token graph")
-    if chunk > MAX_CHUNK:
-        raise UserError(f"--chunk {chunk} is too large: at most {MAX_CHUNK} tokens per prefill call "
-                        f"(the profiles use 128)")
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    quant = quant_spec(weights, block_size, asymmetric, head_bits)
-    npu_quant = npu_quant_mode(quant, prof, npu_quant, calibration)
     say = progress or (lambda msg: None)
     warn = warn or (lambda msg: print(f"hybrid-npu: warning: {msg}", file=sys.stderr, flush=True))
     ck = read_checkpoint(src)
     check_tokenizer(ck.path, warn)
-    calib = read_calibration(calibration, ck.path / "tokenizer.json") if npu_quant == "qdq" else None
-    if npu_quant == "nbits":
-        _check_nbits_widths(ck.config, quant.block_size)
-    own_mtp = isinstance(drafter, str) and drafter == MTP_KIND  # the keyword, not a directory named mtp
-    eagle = None if own_mtp else drafter
-    dck = read_drafter(eagle, ck.config, lambda: ck.load("embed_tokens.weight")) if eagle is not None else None
-    mck = read_mtp(ck, mtp) if own_mtp or mtp is not None else None
+    calib = read_calibration(plan.options.calibration, ck.path / "tokenizer.json") if plan.npu_quant == "qdq" else None
+    if plan.npu_quant == "nbits":
+        _check_nbits_widths(ck.config, plan.quant.block_size)
+    dck = read_drafter(plan.eagle3, ck.config, lambda: ck.load("embed_tokens.weight")) if plan.eagle3 else None
+    mck = read_mtp(ck, plan.mtp) if plan.wants_mtp else None
     check_output(ck.path, out, force)
-    capacity, note = npu_capacity(prof, max_context, chunk, ck.config)
+    capacity, note = npu_capacity(plan.profile, plan.options.max_context, plan.chunk, ck.config)
     if capacity is not None:
-        prof = dataclasses.replace(prof, attention_capacity=capacity)
+        plan = dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, attention_capacity=capacity))
     say(f"read {src}: {ck.model_type}, {ck.config.num_layers} layers, {len(ck.shapes)} tensors ({ck.source_dtype})")
     if note:
         say(note)
@@ -137,17 +119,16 @@ def export(src, out, *, chunk: int | None = None, dtype: str = "fp32", force: bo
     except OSError as e:
         raise UserError(os_error_line(e, out)) from None
     try:
-        manifest = _write_export(ck, tmp, chunk, verify, dtype, say, prof, compile_context, quant, max_context,
-                                 npu_quant, calib, final_tap=mck is not None)
+        manifest = _write_export(ck, tmp, plan, say, calib, final_tap=mck is not None)
         shipped = {}
         if mck is not None:
             say(f"exporting the MTP drafter (mtp.* of {mck.source}, reading the residual after layer "
                 f"{ck.config.num_layers - 1})")
-            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, dtype)}
+            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype)}
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
-            shipped[EAGLE3_KIND] = {"dir": DRAFTER_DIR, "kind": EAGLE3_KIND, **export_drafter(dck, tmp / DRAFTER_DIR, dtype)}
+            shipped[EAGLE3_KIND] = {"dir": DRAFTER_DIR, "kind": EAGLE3_KIND, **export_drafter(dck, tmp / DRAFTER_DIR, plan.dtype)}
         if shipped:  # the default drafter (EAGLE-3 when both), and every drafter by kind
             manifest["drafter"] = shipped.get(EAGLE3_KIND) or shipped[MTP_KIND]
             manifest["drafters"] = {kind: entry["dir"] for kind, entry in shipped.items()}
@@ -185,27 +166,6 @@ def check_tokenizer(src: Path, warn: Callable[[str], None]) -> None:
     except Exception as e:  # the tokenizers library raises a bare Exception
         raise UserError(f"{f} does not load as a tokenizer ({str(e).splitlines()[0][:160]}); copy the model's "
                         "tokenizer.json again") from None
-
-
-def npu_quant_mode(quant, prof, npu_quant: str | None, calibration) -> str | None:
-    """How the NPU parts of a quantised export are quantised (None: float parts, or no NPU)."""
-    npu = prof is not None and prof.has_npu
-    if npu_quant is not None and npu_quant not in NPU_QUANT_MODES:
-        raise UserError(f"--npu-quant {npu_quant!r} is not supported; choose one of {', '.join(NPU_QUANT_MODES)}")
-    if quant is None or not npu:
-        if calibration is not None or npu_quant is not None:
-            flag = "--calibration" if calibration is not None else "--npu-quant"
-            raise UserError(f"{flag} applies to the NPU graphs of a quantised export: add --weights int8|int4 "
-                            "and an NPU --profile (e.g. --profile snapdragon-x-elite)")
-        return None
-    mode = npu_quant or "qdq"
-    if mode == "qdq" and calibration is None:
-        raise UserError(f"--weights {quant.mode} with NPU profile {prof.name} quantises the NPU graphs too "
-                        f"(w{quant.bits}a16), calibrated on your text: add --calibration FILE (a few thousand tokens "
-                        "like what the model will read), or --npu-quant nbits for uncalibrated MatMulNBits")
-    if mode == "nbits" and calibration is not None:
-        raise UserError("--calibration calibrates the QDQ graphs; drop it with --npu-quant nbits")
-    return mode
 
 
 def _check_nbits_widths(cfg: ModelConfig, block: int) -> None:
@@ -258,9 +218,11 @@ def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, gra
     return {**qdq, "calibration": source}
 
 
-def _write_export(ck: Checkpoint, tmp: Path, chunk: int, verify: int, dtype: str, say, prof,
-                  compile_context: bool, quant=None, max_context: int | None = None, npu_quant: str | None = None,
-                  calib: tuple[list[int], dict] | None = None, final_tap: bool = False) -> dict:
+def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple[list[int], dict] | None = None,
+                  final_tap: bool = False) -> dict:
+    chunk, verify, dtype, prof, quant, npu_quant = (plan.chunk, plan.verify, plan.dtype, plan.profile, plan.quant,
+                                                    plan.npu_quant)
+    compile_context, max_context = plan.options.compile_context, plan.options.max_context
     cfg = ck.config
     plan = WeightPlan(ck.load, DTYPES[dtype], quant)
     # QDQ parts start as fp32 graphs in the quantiser's layout, written aside and quantised into graphs/

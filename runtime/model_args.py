@@ -7,6 +7,7 @@ from pathlib import Path
 from hybrid_npu.cli_common import OneLineParser, byte_size
 from hybrid_npu.errors import UserError
 
+from .drafters import KINDS as DRAFTER_KINDS
 from .engine import PREFILL_MODES
 
 
@@ -18,6 +19,9 @@ def add_engine_arguments(p: OneLineParser, prefill_help: str) -> None:
     p.add_argument("--temperature", type=float,
                    help="0 = greedy (default: the model's generation_config.json; greedy when it does not sample)")
     p.add_argument("--no-speculative", action="store_true", help="decode token by token even with a drafter")
+    p.add_argument("--drafter", choices=DRAFTER_KINDS,
+                   help="which of the export's drafters speculates (default: the export's own choice, EAGLE-3 "
+                        "when it ships both; mtp = the checkpoint's multi-token-prediction head)")
 
 
 def check_engine_arguments(a) -> None:
@@ -38,4 +42,4 @@ def open_model(model: str | None, a, checkpoints: int | None = None):
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist; give an export-hybrid output directory")
     return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory,
-                           checkpoints=checkpoints)
+                           checkpoints=checkpoints, drafter=getattr(a, "drafter", None))

@@ -14,6 +14,7 @@ import sys
 from hybrid_npu.cli_common import OneLineParser, byte_size, report
 from hybrid_npu.errors import UserError
 
+from .drafters import KINDS as DRAFTER_KINDS
 from .engine import PREFILL_MODES
 
 
@@ -26,6 +27,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--memory", type=byte_size, help="memory budget: bytes or e.g. 8G (default: the profile's)")
     p.add_argument("--threads", type=int, help="CPU threads")
     p.add_argument("--no-speculative", action="store_true", help="decode token by token even with a drafter")
+    p.add_argument("--drafter", choices=DRAFTER_KINDS,
+                   help="which of the export's drafters speculates (default: the export's own choice)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")

@@ -164,3 +164,23 @@ def test_max_context_sets_the_npu_capacity_the_runtime_uses(text_tied, htp_profi
     assert engine._prefill_devices == "QNN/HTP+CPU"
     cpu = hybrid_npu.load(out).prefill_logits(ids)
     assert np.abs(npu_logits - cpu).max() < 0.05 * np.abs(cpu).max()  # fp16 HTP vs fp32 CPU
+
+
+def test_every_export_flag_reaches_the_options():
+    """export-hybrid's flags become one ExportOptions (export/options.py), field for field."""
+    from hybrid_npu.export.cli import build_parser
+    from hybrid_npu.export.options import ExportOptions
+
+    args = build_parser().parse_args(
+        ["src", "out", "--profile", "snapdragon-x-elite", "--no-compile", "--chunk", "64", "--dtype", "fp16",
+         "--weights", "int4", "--block-size", "64", "--asymmetric", "--head-bits", "4", "--calibration", "c.txt",
+         "--npu-quant", "qdq", "--drafter", "mtp", "--verify", "16", "--max-context", "4096"])
+    assert ExportOptions.from_args(args) == ExportOptions(
+        chunk=64, dtype="fp16", profile="snapdragon-x-elite", compile_context=False, verify=16, drafter="mtp",
+        weights="int4", block_size=64, asymmetric=True, head_bits=4, max_context=4096, npu_quant="qdq",
+        calibration="c.txt")
+    plan = ExportOptions.from_args(args).resolve()
+    assert (plan.chunk, plan.verify, plan.quant.bits, plan.npu_quant, plan.own_mtp, plan.eagle3) == \
+        (64, 16, 4, "qdq", True, None)
+    with pytest.raises(TypeError):
+        export("src", "out", ExportOptions(), chunk=8)

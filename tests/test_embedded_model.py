@@ -51,3 +51,30 @@ def test_npu_chat_one_shot_json_uses_the_embedded_model_by_default():
     assert out["token_ids"] == engine.generate(rendered(engine, PROMPT), 24, speculative=False)
     assert out["text"] == engine.tokenizer.decode(out["token_ids"])
     assert_speculation_accounts_for(out["stats"], len(out["token_ids"]))  # on by default with a drafter
+
+
+def test_npu_chat_drafter_mtp_speculates_with_the_shipped_mtp_head():
+    """--drafter mtp picks the MTP head the embedded model ships beside EAGLE-3: the reply is the
+    plain decode's; an export without one is refused in one line (exit 2)."""
+    from hybrid_npu.runtime.chat_cli import main
+
+    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1, drafter="mtp")
+    assert type(engine.drafter).__name__ == "MtpDrafter"
+    ids = rendered(engine, PROMPT)
+    fast = engine.generate(ids, 48, speculative=True, stop_at_eos=False)
+    rounds = engine.last_stats["rounds"]
+    assert fast == engine.generate(ids, 48, speculative=False, stop_at_eos=False)
+    assert rounds > 0
+    r = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", "--prompt", PROMPT, "--drafter", "mtp",
+                        "--max-new-tokens", "24", "--json", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == engine.generate(ids, 24, speculative=False)
+
+
+def test_npu_chat_drafter_kind_the_export_lacks_is_one_line(text_tied, capsys):
+    from hybrid_npu.runtime.chat_cli import main
+
+    assert main([str(text_tied.out), "--prompt", "hi", "--drafter", "mtp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "ships no mtp drafter" in err and "--drafter mtp" in err, err

@@ -28,7 +28,9 @@ def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None 
     prefill: "npu" runs every prefill chunk on the NPU, "cpu" never, "auto" follows the profile.
     memory: the budget in bytes for weights + state + K/V (default: the profile's, else psutil's
     available memory minus 1 GiB); a context beyond it is refused up front.
-    drafter: a speculative drafter object (reset/observe/propose); generate() then speculates.
+    drafter: None (the export's default drafter, if it ships one), "eagle3" or "mtp" (its drafter of
+    that kind), an exported drafter directory, or a drafter object (reset/observe/propose);
+    generate() then speculates.
     checkpoints: how many turn checkpoints (copies of the GDN state) a conversation may keep to
     resume from when its next prompt departs from the context (default 8; 0: none); the memory plan
     counts them.

@@ -24,7 +24,8 @@ So the first rounds and a refresh of t_dec are two steps, the second one measure
 
 Plain steps teach the policy nothing about acceptance, so while decoding plainly it probes: two
 rounds after `probe_every` plain steps, the interval doubling (up to `max_probe_every`) each time
-the probe loses and reset when speculation wins again. Two, so that the probe measures the
+the probe loses and reset when speculation wins again, and never sooner than the probe's expected
+extra time allows within `probe_budget` (5%) of the plain decoding since the last one. Two, so that the probe measures the
 round's cost again too (the second is kept): with one-round probes a round cost measured high
 once (a load spike) was never measured again and held plain decoding on for whole replies
 (measured on the embedded pair, top-4 tree: 93 rounds and 778 plain steps over 16 chat prompts,
@@ -39,6 +40,7 @@ decisions are deterministic given the costs (tests feed fake ones).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
@@ -52,6 +54,8 @@ class SpecPolicy:
     keep: float = 0.875                   # per round, how much of the old acceptance evidence stays
     probe_every: int = 8
     max_probe_every: int = 64
+    probe_budget: float = 0.05            # while plain wins, probes may cost at most this share of the time
+    max_budget_interval: int = 1024
     refresh_every: int = 16
     margin: float = 1.0                   # speculate when its rate beats plain by this factor
     hysteresis: float = 0.2               # ... and by (1 + this) more to switch from plain decoding
@@ -132,6 +136,22 @@ class SpecPolicy:
                 best = (d, rate)
         return best
 
+    def budget_interval(self) -> int:
+        """Plain steps a probe must wait for so that its expected extra time (two rounds of the best
+        depth, less the tokens they are expected to emit at a plain step's cost) stays within
+        `probe_budget` of the plain decoding between probes. Measured on the embedded pair, quiet
+        machine: a 96-token reply at a new context paid 6-8 rounds of probes, 25-35 plain steps'
+        worth, and ran 0.61-0.85x plain where plain was right."""
+        t_dec = self.decode_s
+        if t_dec is None or self.probe_budget <= 0:
+            return 0
+        d = self.best_depth()[0] or self.max_depth
+        cost = self.round_cost(d)
+        if cost is None:
+            return 0
+        extra = 2 * max(cost - self.expected_tokens(d) * t_dec, 0.0)
+        return min(self.max_budget_interval, math.ceil(extra / (self.probe_budget * t_dec)))
+
     def note_context(self, tokens: int) -> None:
         """A generation starts at a context of `tokens`. Costs measured at a context far from it (a
         new reply after a long document, or a fresh short chat after one) are dropped and measured
@@ -182,7 +202,7 @@ class SpecPolicy:
                 self._refreshing = True
                 return 0
             return depth
-        if self._plain_run >= self._probe_interval:
+        if self._plain_run >= max(self._probe_interval, self.budget_interval()):
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
             self._probe_depth = self.best_depth()[0] or self.max_depth
             return self._probe_depth

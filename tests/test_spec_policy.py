@@ -50,7 +50,7 @@ def test_a_drafter_that_is_always_right_speculates_at_full_depth():
 
 
 def test_a_drafter_that_is_never_right_falls_back_and_probes_less_and_less():
-    p = SpecPolicy(6, probe_every=8, max_probe_every=32)
+    p = SpecPolicy(6, probe_every=8, max_probe_every=32, probe_budget=0)  # the doubling schedule alone
     dec = drive(p, 200, 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
     r = runs(dec)
     assert r[0] == ("r", 2)  # the two measuring rounds
@@ -61,10 +61,25 @@ def test_a_drafter_that_is_never_right_falls_back_and_probes_less_and_less():
     assert sum(1 for d in dec if d) <= 16  # of 200 steps
 
 
+def test_probes_wait_until_their_cost_fits_the_budget():
+    """A never-right drafter: a probe (two depth-1 rounds of 1 + 15 ms, each emitting one token worth
+    a 10 ms plain step) costs 2 x (16 - 10) = 12 ms more than plain decoding; with 5% of the plain
+    time allowed for probes, at least 12 / (0.05 x 10) = 24 plain steps come before each."""
+    decode, level, fixed, budget = 10 * MS, 1 * MS, 15 * MS, 0.05
+    wait = round(2 * (fixed + level - decode) / (budget * decode))
+    assert wait == 24
+    dec = drive(SpecPolicy(6, probe_every=8, max_probe_every=64, probe_budget=budget), 400, decode, level, fixed,
+                lambda d, k: 0)
+    gaps = [n for kind, n in runs(dec)[1:] if kind == "p"]
+    assert gaps[:4] == [wait, wait, 32, 64]  # the budget first, then the doubling once it is longer
+    probe_depths = {d for d in dec[2:] if d}
+    assert probe_depths == {1}  # the cheapest round is the probe when nothing is accepted
+
+
 def test_one_slow_first_decode_step_does_not_hold_speculation_on():
     """The first kept decode step 5x slow, then 10 ms; a round costs 21 ms and accepts nothing
     (1 token): plain must win once a third plain step is measured (the median of 50, 10, 10)."""
-    p = SpecPolicy(6, probe_every=8, max_probe_every=8)
+    p = SpecPolicy(6, probe_every=8, max_probe_every=8, probe_budget=0)
     dec = drive(p, 40, lambda k: 50 * MS if k <= 1 else 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
     assert runs(dec)[:5] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4)]
     assert runs(dec)[5:9] == [("p", 8), ("r", 2), ("p", 8), ("r", 2)]  # then plain, and two-round probes only

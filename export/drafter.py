@@ -56,6 +56,22 @@ WEIGHTS_FILE = "drafter_weights.bin"
 VOCAB_FILE = "vocab.safetensors"  # draft_to_target int64 [Vd]: target id of each draft id
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 PAST, MASK_LEN, N, M = PAST_DIM, MASK_DIM, "n", "m"
+
+
+def drafter_step_inputs(g: GraphBuilder, hidden: int, nkv: int, hd: int, rotary_dim: int):
+    """The step graph's inputs every drafter shares (EAGLE-3's layer and the MTP head run through the
+    same runtime K/V and tree code, runtime/eagle3.py): features [n, hidden], input_ids [n], rope
+    rows (unsqueezed for the heads), the additive mask [n, past + n], past K/V [nKV, past, hd] and
+    the rows whose logits are wanted [m]."""
+    f = g.input("features", np.float32, [N, hidden])
+    ids = g.input("input_ids", np.int64, [N])
+    cos = g.unsqueeze(g.input("rope_cos", np.float32, [N, rotary_dim]), [1])
+    sin = g.unsqueeze(g.input("rope_sin", np.float32, [N, rotary_dim]), [1])
+    mask = g.input("attn_mask", np.float32, [N, MASK_LEN])
+    past_k = g.input("past_key", np.float32, [nkv, PAST, hd])
+    past_v = g.input("past_value", np.float32, [nkv, PAST, hd])
+    rows = g.input("logit_rows", np.int64, [M])
+    return f, ids, cos, sin, mask, past_k, past_v, rows
 L = "midlayer."  # canonical layer prefix
 
 
@@ -338,14 +354,7 @@ class _Graphs:
             out hidden = x (pre-final-norm; norm(x) for speculators norm_output), logits = lm_head(norm(x))"""
         c, g = self.cfg, GraphBuilder("drafter")
         h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        f = g.input("features", np.float32, [N, h])
-        ids = g.input("input_ids", np.int64, [N])
-        cos = g.unsqueeze(g.input("rope_cos", np.float32, [N, c.rotary_dim]), [1])
-        sin = g.unsqueeze(g.input("rope_sin", np.float32, [N, c.rotary_dim]), [1])
-        mask = g.input("attn_mask", np.float32, [N, MASK_LEN])
-        past_k = g.input("past_key", np.float32, [nkv, PAST, hd])
-        past_v = g.input("past_value", np.float32, [nkv, PAST, hd])
-        rows = g.input("logit_rows", np.int64, [M])
+        f, ids, cos, sin, mask, past_k, past_v, rows = drafter_step_inputs(g, h, nkv, hd, c.rotary_dim)
         embed = self.w(g, self.plan.table("embed_tokens.weight", self.ck.shapes["embed_tokens.weight"]))
         e = self.norm(g, g.op("Gather", embed, ids, axis=0), L + "input_layernorm.weight")
         fn = self.norm(g, f, L + "hidden_norm.weight")

@@ -31,12 +31,13 @@ import onnx
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MASK_DIM, MTP_KIND as KIND, PAST_DIM
+from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MTP_KIND as KIND
 from hybrid_npu.kernels.attention import emit_dynamic_gqa
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
 
+from .drafter import drafter_step_inputs
 from .manifest import value_infos
 from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
@@ -167,14 +168,7 @@ class _Graphs:
     def step(self) -> GraphBuilder:
         c, g = self.c, GraphBuilder(STEP_GRAPH)
         H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        h = g.input("features", np.float32, [N, H])
-        ids = g.input("input_ids", np.int64, [N])
-        cos = g.unsqueeze(g.input("rope_cos", np.float32, [N, c.rotary_dim]), [1])
-        sin = g.unsqueeze(g.input("rope_sin", np.float32, [N, c.rotary_dim]), [1])
-        mask = g.input("attn_mask", np.float32, [N, MASK_DIM])
-        past_k = g.input("past_key", np.float32, [nkv, PAST_DIM, hd])
-        past_v = g.input("past_value", np.float32, [nkv, PAST_DIM, hd])
-        rows = g.input("logit_rows", np.int64, [M])
+        h, ids, cos, sin, mask, past_k, past_v, rows = drafter_step_inputs(g, H, nkv, hd, c.rotary_dim)
         table = self.w(g, self.plan.table("embed_tokens.weight", self.ck.shapes["embed_tokens.weight"]))
         e = self.norm(g, g.op("Gather", table, ids, axis=0), P + "pre_fc_norm_embedding.weight")
         x = g.op("Concat", e, self.norm(g, h, P + "pre_fc_norm_hidden.weight"), axis=-1)  # embedding first

@@ -29,6 +29,7 @@ from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.rope import rope_tables
 
 from .session_options import cpu_inference_session, session_options
+from .state import grown_capacity
 
 OBSERVE_CHUNK = 64  # positions per observe call: bounds the [N, capacity + N] score scratch
 MIN_CAPACITY = 64
@@ -101,7 +102,7 @@ class Eagle3Drafter:
         cap = self.key.shape[1]
         if need <= cap:
             return
-        cap = max(need, cap + cap // 8)
+        cap = grown_capacity(need, cap, block=1)
         for name in ("key", "value"):
             buf = np.zeros((self.nkv, cap, self.hd), np.float32)
             buf[:, : self.length] = getattr(self, name)[:, : self.length]

@@ -16,6 +16,14 @@ from hybrid_npu.config import ModelConfig
 KV_BLOCK = 256
 
 
+def grown_capacity(need: int, capacity: int, block: int = KV_BLOCK) -> int:
+    """The capacity a K/V buffer grows to when it must hold `need` rows: at least 1/8 more than now,
+    so a long prefill copies it O(log n) times, not n/block times, rounded up to whole blocks
+    (np.zeros pages the untouched tail in lazily: the slack costs address space, not RAM). The
+    target's State and the drafters' own K/V grow by this one rule."""
+    return -(-max(need, capacity + capacity // 8) // block) * block
+
+
 @dataclass
 class GDNLayerState:
     conv: np.ndarray       # [conv_dim, K-1] pre-conv inputs, oldest first
@@ -54,9 +62,7 @@ class State:
         """Grow every K/V buffer to hold `tokens` rows, in whole blocks."""
         if not self.attention or tokens <= self.capacity:
             return
-        # grow by at least 1/8 so a long prefill copies the buffer O(log n) times, not n/block times;
-        # np.zeros pages the untouched tail in lazily, so the slack costs address space, not RAM
-        self.resize(-(-max(tokens, self.capacity + self.capacity // 8) // KV_BLOCK) * KV_BLOCK)
+        self.resize(grown_capacity(tokens, self.capacity))
 
     def resize(self, capacity: int) -> None:
         """Re-allocate the K/V buffers to exactly `capacity` rows (at least the rows in use).

@@ -121,3 +121,19 @@ def test_progress_callback_reports_every_chunk(text_tied):
     engine.generate(list(range(3 * CHUNK + 1)), 1, progress=lambda done, total: seen.append((done, total)))
     assert seen == [(CHUNK, 3 * CHUNK + 1), (2 * CHUNK, 3 * CHUNK + 1), (3 * CHUNK, 3 * CHUNK + 1),
                     (3 * CHUNK + 1, 3 * CHUNK + 1)]
+
+
+def test_kv_growth_is_amortised_and_bounded():
+    """State's and the drafters' K/V grow by one rule (state.grown_capacity): every need fits, the
+    slack stays within 1/8 plus a block, and growing token by token to 100k rows copies the buffer
+    O(log n) times, not once per block."""
+    from hybrid_npu.runtime.state import KV_BLOCK, grown_capacity
+
+    for block in (1, KV_BLOCK):
+        cap, copies = 64, 0
+        for need in range(1, 100_001):
+            if need > cap:
+                cap, copies = grown_capacity(need, cap, block), copies + 1
+                assert need <= cap and cap % block == 0
+                assert cap <= need + need // 8 + block + 1
+        assert copies <= 64, copies  # log_{9/8}(100000 / 64) = 62.4; a per-block rule would copy ~390 times

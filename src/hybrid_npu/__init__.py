@@ -13,8 +13,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "default"
 
 def default_model() -> Path:
     from hybrid_npu.errors import UserError
+    from hybrid_npu.format import MANIFEST
 
-    if not (DEFAULT_MODEL / "model.json").exists():
+    if not (DEFAULT_MODEL / MANIFEST).exists():
         raise UserError(f"this install has no embedded default model ({DEFAULT_MODEL}); "
                         "pass an export-hybrid output directory")
     return DEFAULT_MODEL

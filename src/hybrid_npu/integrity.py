@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Iterable
 
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import MANIFEST
 
 ALGORITHM = "sha256"
 _BLOCK = 1 << 20
 _CACHE_ENTRIES = 512
-SKIP = {"model.json", ".hybrid-npu-partial"}
+SKIP = {MANIFEST, ".hybrid-npu-partial"}  # the manifest holds the record; the partial marker is removed
 CONTEXT_DIR = "ctx"  # export/context_binaries.py writes QNN context binaries under ctx/PROFILE/
 
 

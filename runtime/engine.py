@@ -196,6 +196,11 @@ class Engine:
         self._last_out = out
         return out["logits"][0]
 
+    def decode(self, token: int) -> np.ndarray:
+        """One decode step: append `token` to the context; returns the logits after it (what
+        stream() samples from on a plain step)."""
+        return self._step("decode", [token])
+
     def verify_nodes(self, depth: int) -> int:
         """Nodes the verify graph runs for a draft of `depth` levels: its static N, or on the CPU,
         where the export has the sized graph, the smallest size that holds the largest tree the

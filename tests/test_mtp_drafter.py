@@ -200,7 +200,7 @@ def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_voca
     joint, verified = np.zeros((V, V)), {}
     for y in range(V):
         engine.state = copy.deepcopy(base)
-        p2 = filtered_probs(engine._step("decode", [y]), temperature, 0, top_p)
+        p2 = filtered_probs(engine.decode(y), temperature, 0, top_p)
         joint[y] = p1[y] * p2
         dr.rewind(length)
         dr.observe([y], tap[None])  # the prompt's last tap pairs with the first generated token

@@ -43,8 +43,8 @@ def test_npu_prefill_then_cpu_decode_agrees_with_cpu_only(text_tied, npu_engine)
     for token in want:
         agree += int(np.argmax(logits) == token)
         worst = max(worst, float(np.abs(logits - ref_logits).max()))
-        logits = npu_engine._step("decode", [token])
-        ref_logits = cpu._step("decode", [token])
+        logits = npu_engine.decode(token)
+        ref_logits = cpu.decode(token)
     print(f"\nHTP fp16 prefill -> CPU decode: top-1 agreement {agree}/64, largest logit difference {worst:.4f}")
     assert agree / len(want) >= 0.99
 

@@ -23,7 +23,7 @@ def _greedy(engine, first, steps):
     fed, token = [], first
     for _ in range(steps + 1):
         fed.append(token)
-        token = int(np.argmax(engine._step("decode", [token])))
+        token = int(np.argmax(engine.decode(token)))
     return fed
 
 
@@ -60,7 +60,7 @@ def saved(text_tied, tmp_path_factory):
     engine = hybrid_npu.load(text_tied.out)
     logits = engine.prefill(_prompt(engine, 2 * CHUNK + 3))
     for _ in range(5):
-        logits = engine._step("decode", [int(np.argmax(logits))])
+        logits = engine.decode(int(np.argmax(logits)))
     path = tmp_path_factory.mktemp("snap") / "chat.state"
     engine.save_state(path)
     return engine, path, int(np.argmax(logits)), _copy(engine.state)
@@ -90,7 +90,7 @@ def test_resume_past_a_kv_block(text_tied, tmp_path):
     b.load_state(tmp_path / "long.state")
     _assert_same_state(a.state, b.state, same_capacity=False)
     assert b.state.capacity > KV_BLOCK
-    np.testing.assert_array_equal(a._step("decode", [3]), b._step("decode", [3]))
+    np.testing.assert_array_equal(a.decode(3), b.decode(3))
 
 
 def test_empty_state_round_trips(text_tied, tmp_path):
@@ -206,7 +206,7 @@ def test_save_is_atomic_and_leaves_no_temp_files(text_tied, tmp_path, monkeypatc
     assert [p.name for p in tmp_path.iterdir()] == ["chat.state"]
     before = path.read_bytes()
 
-    engine._step("decode", [5])
+    engine.decode(5)
     engine.save_state(path)                          # overwrite in place
     assert [p.name for p in tmp_path.iterdir()] == ["chat.state"] and path.read_bytes() != before
     before = path.read_bytes()
@@ -220,7 +220,7 @@ def test_save_is_atomic_and_leaves_no_temp_files(text_tied, tmp_path, monkeypatc
         raise KeyboardInterrupt
 
     monkeypatch.setattr(safetensors.numpy, "save_file", interrupted)
-    engine._step("decode", [6])
+    engine.decode(6)
     with pytest.raises(KeyboardInterrupt):
         engine.save_state(path)
     assert [p.name for p in tmp_path.iterdir()] == ["chat.state"]

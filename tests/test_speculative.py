@@ -125,7 +125,7 @@ def test_committed_state_equals_plain_decoding_of_the_accepted_tokens(text_tied,
     for _ in range(6):  # several rounds, each compared
         emitted = speculative_round(spec, root, 100, False, Sampler())  # one greedy round
         for t in [root] + emitted[:-1]:
-            plain._step("decode", [t])
+            plain.decode(t)
         root = emitted[-1]
         assert spec.state.position == plain.state.position and spec.state.tokens == plain.state.tokens
         for i in spec.state.gdn:  # the verify graph's plain ops and decode's fused CPU kernels (norms,
@@ -168,7 +168,7 @@ def test_sampled_speculative_tokens_have_the_plain_distribution(tiny_vocab, temp
     joint, verified = np.zeros((V, V)), {}
     for y in range(V):
         engine.state = copy.deepcopy(base)
-        p2 = filtered_probs(engine._step("decode", [y]), temperature, 0, top_p)
+        p2 = filtered_probs(engine.decode(y), temperature, 0, top_p)
         joint[y] = p1[y] * p2
         # root's children: the target's likeliest token, a random one, its second likeliest (so rejection
         # chains through siblings), and a random grandchild under each

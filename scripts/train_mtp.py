@@ -16,11 +16,8 @@ chain estimate and acceptance through our runtime, checked lossless).
 from __future__ import annotations
 
 import json
-import math
-import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 from hybrid_npu.errors import UserError  # noqa: E402
-from train_drafter import DEPTH, Clock, batches, build_data, load_target  # noqa: E402
+from train_drafter import DEPTH, Clock, build_data, load_target, train  # noqa: E402  (the same TTT loop)
 
 
 def parse_args(argv=None):
@@ -56,39 +53,6 @@ def parse_args(argv=None):
     if args.ttt_steps < 1 or args.prompts < 1 or args.gen_tokens < 2 or args.batch < 1:
         raise UserError("--ttt-steps, --prompts, --batch must be >= 1 and --gen-tokens >= 2")
     return args
-
-
-def train(head, lm_head, seqs, all_vocab, args, log) -> int:
-    import torch
-
-    from eagle3_train import collate, ttt_loss
-
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    budget, warm, step = args.minutes * 60.0, 20, 0
-    it = batches(seqs, args.batch, random.Random(args.seed))
-    t0 = time.perf_counter()
-    while step < args.max_steps and time.perf_counter() - t0 < budget:
-        frac = max((time.perf_counter() - t0) / budget, step / args.max_steps)
-        lr = args.lr * min(1.0, (step + 1) / warm) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ts = time.perf_counter()
-        total, losses, accs = ttt_loss(head, collate(next(it), all_vocab, args.device), lm_head, args.ttt_steps)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        step += 1
-        log["steps"].append(step)
-        log["loss"].append(round(total.item(), 4))
-        log["loss_per_ttt_step"].append([round(x, 4) for x in losses])
-        log["top1_per_ttt_step"].append([round(x, 4) for x in accs])
-        log["step_s"].append(round(time.perf_counter() - ts, 3))
-        if step % 10 == 0 or step == 1:
-            print(f"step {step} loss {total.item():.3f} top1 {' '.join(f'{a:.2f}' for a in accs)} lr {lr:.1e} "
-                  f"{(time.perf_counter() - t0) / 60:.1f} min", flush=True)
-    return step
 
 
 def runtime_acceptance(target: Path, mtp_dir: Path, prompts, gen_tokens: int, threads: int) -> dict:

@@ -39,7 +39,7 @@ import onnx
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MASK_DIM, PAST_DIM
+from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MASK_DIM, PAST_DIM, STORAGE_DTYPES
 from hybrid_npu.kernels.attention import emit_dynamic_gqa
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm
@@ -54,8 +54,35 @@ EAGLE3, SPECULATORS = "eagle3", "speculators"
 FORMAT, MANIFEST = DRAFTER_FORMAT, DRAFTER_MANIFEST
 WEIGHTS_FILE = "drafter_weights.bin"
 VOCAB_FILE = "vocab.safetensors"  # draft_to_target int64 [Vd]: target id of each draft id
-DTYPES = {"fp32": np.float32, "fp16": np.float16}
 PAST, MASK_LEN, N, M = PAST_DIM, MASK_DIM, "n", "m"
+
+
+def drafter_weight_plan(load, dtype: str) -> WeightPlan:
+    """A drafter's weights, stored as `dtype` ("fp32" | "fp16"); any other is one line."""
+    if dtype not in STORAGE_DTYPES:
+        raise UserError(f"drafter dtype {dtype!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
+    return WeightPlan(load, STORAGE_DTYPES[dtype])
+
+
+def weight_input(g: GraphBuilder, plan: WeightPlan, stored: str) -> str:
+    """A planned weight as a graph input of `g`, widened to fp32 when stored narrower."""
+    e = plan.entries[stored]
+    g.weight(stored, e.shape, e.dtype)
+    return stored if e.dtype == np.float32 else g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+
+
+def write_drafter_files(out: Path, plan: WeightPlan, builders: dict[str, GraphBuilder], weights_file: str) -> dict:
+    """Write the planned weights and each built graph (checked) into out; returns the manifest's
+    "graphs" entries. Every drafter kind is written this way."""
+    placements = plan.write(out / weights_file)
+    graphs = {}
+    for name, gb in builders.items():
+        model = gb.model(placements)
+        onnx.save_model(model, out / f"{name}.onnx")
+        onnx.checker.check_model(str(out / f"{name}.onnx"))
+        graphs[name] = {"file": f"{name}.onnx", "nodes": len(model.graph.node),
+                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+    return graphs
 
 
 def drafter_step_inputs(g: GraphBuilder, hidden: int, nkv: int, hd: int, rotary_dim: int):
@@ -307,9 +334,7 @@ class _Graphs:
         self.ck, self.cfg, self.plan = ck, ck.config, plan
 
     def w(self, g: GraphBuilder, stored: str) -> str:
-        e = self.plan.entries[stored]
-        g.weight(stored, e.shape, e.dtype)
-        return stored if e.dtype == np.float32 else g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+        return weight_input(g, self.plan, stored)
 
     def vec(self, g, name: str) -> str:
         return self.w(g, self.plan.vector(name, self.ck.shapes[name][0]))
@@ -395,20 +420,10 @@ def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32") -> dict:
     into out_dir; returns the manifest (also written as drafter.json)."""
     from safetensors.numpy import save_file
 
-    if dtype not in DTYPES:
-        raise UserError(f"drafter dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    plan = drafter_weight_plan(ck.load, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plan = WeightPlan(ck.load, DTYPES[dtype])
-    builders = build_drafter_graphs(ck, plan)
-    placements = plan.write(out / WEIGHTS_FILE)
-    graphs = {}
-    for name, gb in builders.items():
-        model = gb.model(placements)
-        onnx.save_model(model, out / f"{name}.onnx")
-        onnx.checker.check_model(str(out / f"{name}.onnx"))
-        graphs[name] = {"file": f"{name}.onnx", "nodes": len(model.graph.node),
-                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+    graphs = write_drafter_files(out, plan, build_drafter_graphs(ck, plan), WEIGHTS_FILE)
     save_file({"draft_to_target": np.ascontiguousarray(ck.draft_to_target, dtype=np.int64)}, str(out / VOCAB_FILE))
     c = ck.config
     manifest = {

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import onnx
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
@@ -37,14 +36,12 @@ from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
 
-from .drafter import drafter_step_inputs
-from .manifest import value_infos
+from .drafter import drafter_step_inputs, drafter_weight_plan, weight_input, write_drafter_files
 from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
 
 WEIGHTS_FILE = "mtp_weights.bin"
 IN_GRAPH, STEP_GRAPH = "mtp_in", "mtp"
-DTYPES = {"fp32": np.float32, "fp16": np.float16}
 N, M = "n", "m"
 P = "mtp."
 A, MLP = P + "layers.0.self_attn.", P + "layers.0.mlp."
@@ -144,9 +141,7 @@ class _Graphs:
         self.ck, self.c, self.plan = ck, ck.config, plan
 
     def w(self, g: GraphBuilder, stored: str) -> str:
-        e = self.plan.entries[stored]
-        g.weight(stored, e.shape, e.dtype)
-        return stored if e.dtype == np.float32 else g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
+        return weight_input(g, self.plan, stored)
 
     def norm(self, g, x: str, name: str) -> str:
         w = self.w(g, self.plan.vector(name, self.ck.shapes[name][0]))
@@ -201,21 +196,11 @@ class _Graphs:
 def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32") -> dict:
     """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir;
     returns the manifest."""
-    if dtype not in DTYPES:
-        raise UserError(f"drafter dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    plan = drafter_weight_plan(ck.load, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plan = WeightPlan(ck.load, DTYPES[dtype])
     b = _Graphs(ck, plan)
-    builders = {IN_GRAPH: b.hidden_in(), STEP_GRAPH: b.step()}
-    placements = plan.write(out / WEIGHTS_FILE)
-    graphs = {}
-    for name, gb in builders.items():
-        model = gb.model(placements)
-        onnx.save_model(model, out / f"{name}.onnx")
-        onnx.checker.check_model(str(out / f"{name}.onnx"))
-        graphs[name] = {"file": f"{name}.onnx", "nodes": len(model.graph.node),
-                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+    graphs = write_drafter_files(out, plan, {IN_GRAPH: b.hidden_in(), STEP_GRAPH: b.step()}, WEIGHTS_FILE)
     c = ck.config
     manifest = {
         "format": DRAFTER_FORMAT, "kind": KIND, "source": str(ck.source), "config": asdict(c),

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import CHUNK
 from safetensors.numpy import load_file, save_file
-from scipy.stats import chisquare
 
 import fixtures
+from sampled_check import chi_square_p, sample_first_two
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.checkpoint import read_checkpoint
@@ -22,8 +22,8 @@ from hybrid_npu.export.mtp_drafter import MtpConfig, read_mtp
 from hybrid_npu.export.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.runtime.mtp import MtpDrafter
-from hybrid_npu.runtime.sampling import choose, filtered_probs
-from hybrid_npu.runtime.speculative import Tree, accept_sampled, tree_feed
+from hybrid_npu.runtime.sampling import filtered_probs
+from hybrid_npu.runtime.speculative import Tree, tree_feed
 
 
 @pytest.fixture(scope="module")
@@ -208,23 +208,13 @@ def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_voca
         tree, n_real = Tree.from_draft(y, tokens, parents, n)
         engine.state = copy.deepcopy(base)
         verified[y] = (tree, n_real, engine.pipelines["verify"].run(tree_feed(engine.config, engine.state, tree))["logits"])
-    runs, counts, drafts_accepted = 20_000, np.zeros((V, V)), 0
-    for r in range(runs):
-        rng = np.random.default_rng(r)
-        y1 = choose(logits0, temperature, 0, top_p, rng)
-        tree, n_real, logits = verified[y1]
-        path, bonus = accept_sampled(logits, tree, n_real, temperature, 0, top_p, rng)
-        counts[y1, tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
-        drafts_accepted += len(path) > 1
+    runs = 20_000
+    counts, drafts_accepted = sample_first_two(logits0, verified, temperature, top_p, runs)
     assert drafts_accepted > runs // 10  # top-3 of 12 tokens: drafts really are accepted
     expected = joint.ravel() * runs
     assert counts.ravel()[expected == 0].sum() == 0
-    keep = expected >= 5
-    obs, exp = counts.ravel()[keep], expected[keep]
-    if expected[~keep].sum() > 0:
-        obs, exp = np.append(obs, counts.ravel()[~keep].sum()), np.append(exp, expected[~keep].sum())
-    stat, pvalue = chisquare(obs, exp * obs.sum() / exp.sum())
-    print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {len(obs)} bins, p = {pvalue:.3f}, "
+    stat, pvalue, bins = chi_square_p(counts.ravel(), expected)
+    print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {bins} bins, p = {pvalue:.3f}, "
           f"a draft accepted in {drafts_accepted / runs:.0%} of runs")
     assert pvalue > 0.001
 

@@ -6,14 +6,14 @@ import copy
 import numpy as np
 import pytest
 from conftest import CHUNK
-from scipy.stats import chisquare
 
 import fixtures
+from sampled_check import chi_square_p, sample_first_two
 import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.generation import speculative_round, stream
-from hybrid_npu.runtime.sampling import Sampler, choose, filtered_probs
-from hybrid_npu.runtime.speculative import Tree, accept_sampled, tree_feed
+from hybrid_npu.runtime.sampling import Sampler, filtered_probs
+from hybrid_npu.runtime.speculative import Tree, tree_feed
 
 
 class RandomDrafter:
@@ -178,25 +178,12 @@ def test_sampled_speculative_tokens_have_the_plain_distribution(tiny_vocab, temp
         engine.state = copy.deepcopy(base)
         verified[y] = (tree, n_real, engine.pipelines["verify"].run(tree_feed(engine.config, engine.state, tree))["logits"])
     runs = 20_000
-    counts = np.zeros((V, V))
-    drafts_accepted = 0
-    for r in range(runs):
-        rng = np.random.default_rng(r)
-        y1 = choose(logits0, temperature, 0, top_p, rng)
-        tree, n_real, logits = verified[y1]
-        path, bonus = accept_sampled(logits, tree, n_real, temperature, 0, top_p, rng)
-        y2 = tree.tokens[path[1]] if len(path) > 1 else bonus
-        drafts_accepted += len(path) > 1
-        counts[y1, y2] += 1
+    counts, drafts_accepted = sample_first_two(logits0, verified, temperature, top_p, runs)
     assert drafts_accepted > runs // 10  # drafts really were accepted, not only bonus tokens sampled
     expected = joint.ravel() * runs
     assert counts.ravel()[expected == 0].sum() == 0  # never a token the plain sampler cannot produce
-    keep = expected >= 5
-    obs, exp = counts.ravel()[keep], expected[keep]
-    if expected[~keep].sum() > 0:
-        obs, exp = np.append(obs, counts.ravel()[~keep].sum()), np.append(exp, expected[~keep].sum())
-    stat, pvalue = chisquare(obs, exp * obs.sum() / exp.sum())
-    print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {len(obs)} bins, p = {pvalue:.3f}, "
+    stat, pvalue, bins = chi_square_p(counts.ravel(), expected)
+    print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {bins} bins, p = {pvalue:.3f}, "
           f"a draft accepted in {drafts_accepted / runs:.0%} of runs")
     assert pvalue > 0.001
 

@@ -13,7 +13,6 @@ session.intra_op.allow_spinning=0. The options are applied to every CPU session 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import bench_ours, fresh_process  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
           "all": "ORT_ENABLE_ALL"}
@@ -98,9 +98,7 @@ def main() -> int:
                            for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}}
     result["b_over_a"] = {k: round(result["b"][f"best_{k}"] / result["a"][f"best_{k}"], 3)
                           for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    bench_json.emit(result, args.out)
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import SHAPES, held_out_prompts, source_ids  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 ARMS = ["plain"] + [f"{kind}_{shape}" for kind in ("eagle3", "mtp") for shape in ("chain", "tree")]
 
@@ -95,10 +96,7 @@ def main() -> int:
                       "speculation every step (adaptive off)", "rounds": a.rounds, "threads": a.threads,
               "setting": {"context": a.context} if a.context else {"chat_prompts": a.prompts, "new": a.new},
               "arms": best}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    bench_json.emit(result, a.out)
     return 0
 
 

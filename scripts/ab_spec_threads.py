@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 ARMS = ("spinning", "verify_quiet", "no_spinning")
 
 
@@ -113,10 +114,7 @@ def main() -> int:
     out = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cores": os.cpu_count(),
            "load_average": os.getloadavg(), "context": a.context, "rounds": a.rounds,
            "note": "machine shared with other jobs; arms in alternating fresh processes", "arms": summary, "runs": runs}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    bench_json.emit(out, a.out)
     return 0
 
 

@@ -36,6 +36,7 @@ from matmul_ceiling import ceiling  # noqa: E402
 from random_checkpoint import make_random_checkpoint  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 
 def _memory_gb() -> dict:
@@ -245,9 +246,7 @@ def main() -> int:
         ours, hf = result["hybrid_npu_cpu"], result["transformers_eager"]
         result["speedup_vs_transformers"] = {k: round(ours[k] / hf[k], 2) for k in
                                              ("prefill_tokens_per_s", "decode_tokens_per_s")}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    bench_json.emit(result, args.out)
     return 0
 
 

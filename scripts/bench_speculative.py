@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 # EAGLE-2 tree shapes (docs/eagle3-drafter.md); a chain is the tree of width 1
 SHAPES = {"tree": {"top_k": 4, "depth": 6, "total_tokens": 31},
@@ -173,10 +174,7 @@ def main() -> int:
         result["context"].append({"context_tokens": ctx, "new_tokens": args.context_new, "rows": rows})
         print(json.dumps(result["context"][-1]), file=sys.stderr, flush=True)
     result["load_average_at_end"] = os.getloadavg()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    bench_json.emit(result, args.out)
     return 0
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_checkpoint import make_random_checkpoint  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 # the embedded default model's shape (src/hybrid_npu/models/default/model.json), on the 0.8B base
 EMBEDDED_SHAPE = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -114,10 +115,7 @@ def main() -> int:
                                for a in (0.6, 0.7, 0.8)}}}
         result["contexts"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    bench_json.emit(result, args.out)
     return 0
 
 

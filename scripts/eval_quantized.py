@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 MODES = {"fp32": {}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"},
          "int4-head4": {"weights": "int4", "head_bits": 4},
@@ -169,10 +170,7 @@ def main() -> int:
                 row["perplexity_vs_fp32"] = round(math.exp(mean_nll - reference[0]), 4)
             result["modes"][mode] = row
             print(mode, row, flush=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    bench_json.emit(result, args.out)
     return 0
 
 

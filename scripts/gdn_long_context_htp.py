@@ -8,7 +8,6 @@ the state: in the per-head units the NPU Pipeline picks (what the runtime does),
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 
 def run(tokens: int, state_units: bool) -> dict:
@@ -59,10 +59,7 @@ def main(argv=None):
               "case": "tests/outlier_fixtures.py long_low_decay_case: Hv 2, Dk = Dv 16, C 64, decay e^-1e-6, "
                       "beta 0.9, |v| <= 2e4, initial state up to 3e5 in the key directions no key writes",
               "rows": [run(a.tokens, True), run(a.tokens, False)]}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    bench_json.emit(result, a.out)
 
 
 if __name__ == "__main__":

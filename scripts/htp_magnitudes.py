@@ -6,7 +6,6 @@ emulator (fp16, CPU fallback off), against the same graph on the CPU EP; prints 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from hybrid_npu.kernels.attention import emit_gqa_attention
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.qnn import qnn_session_options
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 
 def run_both(g, feeds):
@@ -73,10 +73,7 @@ def main(argv=None):
     result = {"emulator": "onnxruntime-qnn HTP x86_64 emulator, fp16, CPU fallback off",
               "residual_add": [residual_add(m) for m in (1e3, 1e4, 3e4, 6e4, 1.2e5)],
               "attention_scores": [attention_scores(p) for p in (10.0, 100.0, 1e3, 1e4, 3e4, 6e4)]}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    bench_json.emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 CHUNK = 8
 DEFAULT = "100,200,300,500,800,1200,2000,5000,10000,20000,40000,60000"
@@ -97,10 +98,7 @@ def main(argv=None):
               "fixture": "tests/outlier_fixtures.py: 6 layers, H=48, untied head, channel 30 planted",
               "prompt_tokens": a.prompt, "chunk": CHUNK, "criterion": "relative max logit error <= 0.05",
               "ceiling": ceiling, "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    bench_json.emit(result, a.out)
 
 
 if __name__ == "__main__":

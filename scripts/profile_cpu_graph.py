@@ -22,6 +22,7 @@ from ab_cpu import LEVELS  # noqa: E402
 from bench_cpu import fresh_process  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 
 def profile_level(export_dir: Path, level: str, threads: int, prompt: list[int], decode: int) -> dict:
@@ -92,9 +93,7 @@ def main() -> int:
     result = {"export": str(args.export), "threads": args.threads,
               **{lv: fresh_process(profile_level, args.export, lv, args.threads, prompt, args.decode)
                  for lv in levels}}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    bench_json.emit(result, args.out)
     return 0
 
 

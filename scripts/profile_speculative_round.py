@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
+import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 CLOCK = time.perf_counter
 
@@ -131,10 +132,7 @@ def main() -> int:
     result = {"machine": platform.machine(), "threads": args.threads, "repeats": args.repeats, "clock": args.clock,
               "note": "machine shared with other jobs: each part's best (min) over the repeats",
               "unit": "ms, best of repeats", "draft_shape": engine.draft_shape, "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    bench_json.emit(result, args.out)
     return 0
 
 

@@ -13,13 +13,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MTP_KIND as KIND
 
 from .eagle3 import DRAFT_WINDOW, SINGLE_THREAD_BELOW_BYTES, Eagle3Drafter
-
+from .session_options import cpu_inference_session, session_options
 
 
 class MtpDrafter(Eagle3Drafter):
@@ -43,14 +42,8 @@ class MtpDrafter(Eagle3Drafter):
         self.tap_width = c["hidden_size"]
         self.draft_to_target = np.arange(c["vocab_size"], dtype=np.int64)  # the target's own vocabulary
         graphs = self.manifest["graphs"]
-        opts = ort.SessionOptions()
         weights = (self.path / self.manifest["weights"]["file"]).stat().st_size
-        threads = 1 if weights < SINGLE_THREAD_BELOW_BYTES else threads  # as eagle3.py: short calls, one thread
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3
-        self.fc = ort.InferenceSession(str(self.path / graphs["mtp_in"]["file"]), opts,
-                                       providers=["CPUExecutionProvider"])
-        self.step = ort.InferenceSession(str(self.path / graphs["mtp"]["file"]), opts,
-                                         providers=["CPUExecutionProvider"])
+        opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)  # as eagle3.py
+        self.fc = cpu_inference_session(self.path / graphs["mtp_in"]["file"], opts)
+        self.step = cpu_inference_session(self.path / graphs["mtp"]["file"], opts)
         self.reset()

@@ -202,7 +202,7 @@ class SpecPolicy:
                 self._refreshing = True
                 return 0
             return depth
-        if self._plain_run >= max(self._probe_interval, self.budget_interval()):
+        if self._plain_run >= self._probe_interval and self._plain_run >= self.budget_interval():
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
             self._probe_depth = self.best_depth()[0] or self.max_depth
             return self._probe_depth

@@ -42,4 +42,4 @@ def open_model(model: str | None, a, checkpoints: int | None = None):
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist; give an export-hybrid output directory")
     return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory,
-                           checkpoints=checkpoints, drafter=getattr(a, "drafter", None))
+                           checkpoints=checkpoints, drafter=a.drafter)

@@ -6,6 +6,8 @@
 * cpu: ONNX Runtime's fused CPU kernels (contrib ops the HTP does not have): norms, the residual
   add with the next norm, the one-token conv, the delta rule as LinearAttention; the state in real
   units. Only chains (a tree needs the masked form's commit tensors).
+* cpu_tree: the CPU's verify graph. A tree needs plain's masked delta rule and conv selections;
+  everything else is cpu's (fused norms, Softplus, GatedRMSNorm) and the state is in real units.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class PlainOps:
     rank3_matmul = False  # MatMulNBits inputs unsqueezed to 3-D
     state_units = True    # recurrent_scale.{i} inputs: the state and its readout in per-head units
     chain_only = False
+    fp16_guards = True    # the delta rule's σ scaling and plain l2 norms (kernels/delta_rule.py)
 
     def __init__(self, g: GraphBuilder, eps: float):
         self.g, self.eps = g, eps
@@ -61,7 +64,7 @@ class PlainOps:
         q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
         mask, mask_t, strict = masks
         return emit_gated_delta(g, q, kk, v, gate, beta, S, mask, mask_t, strict, n=n, hk=hk, hv=hv, dk=dk, dv=dv,
-                                chain_state=not tree, state_unit=unit)
+                                chain_state=not tree, state_unit=unit, fp16_guards=self.fp16_guards)
 
 
 class NpuOps(PlainOps):
@@ -106,4 +109,15 @@ class CpuOps(PlainOps):
         return o, S_after, None
 
 
-OP_SETS = {"plain": PlainOps, "npu": NpuOps, "cpu": CpuOps}
+class CpuTreeOps(PlainOps):
+    """A token tree on the CPU. Measured on the embedded model, 8-node verify (docs/speculation.md):
+    the plain graph ran ~1,800 kernels a call, most of them the HTP-safe norms' and the state units'."""
+    state_units = False
+    fp16_guards = False
+    norm1p, add_norm1p, softplus = CpuOps.norm1p, CpuOps.add_norm1p, CpuOps.softplus
+
+    def gated_norm(self, o: str, z: str, weight: str, *, rows, hv: int, dv: int, unit: str | None) -> str:
+        return emit_gated_rmsnorm_cpu(self.g, self.g.reshape(o, [rows, hv * dv]), z, weight, self.eps)
+
+
+OP_SETS = {"plain": PlainOps, "npu": NpuOps, "cpu": CpuOps, "cpu_tree": CpuTreeOps}

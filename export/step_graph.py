@@ -68,7 +68,7 @@ KINDS = {
     Kind.DECODE: Traits(tree=False, rows="static", ops="cpu", whole=False),
     Kind.ANY_N: Traits(tree=False, rows="any", ops="cpu", whole=True),
     Kind.VERIFY: Traits(tree=True, rows="static", ops="plain", whole=False),
-    Kind.SIZED_VERIFY: Traits(tree=True, rows="sizes", ops="plain", whole=True),
+    Kind.SIZED_VERIFY: Traits(tree=True, rows="sizes", ops="cpu_tree", whole=True),
 }
 
 

@@ -4,7 +4,8 @@ per arm. This VM drifts by ±20% over minutes, so only the ratio of arms measure
 one run means anything. Prints one JSON object.
 
 An arm is EXPORT_DIR[,OPTION...]; an option is opt=disable|basic|extended|all (the graph
-optimisation level), intra=N (intra-op threads) or a session config entry KEY=VALUE, e.g.
+optimisation level), intra=N (intra-op threads), arena=0|1 (ORT's CPU memory arena) or a session
+config entry KEY=VALUE, e.g.
 session.intra_op.allow_spinning=0. The options are applied to every CPU session the engine opens.
 
     python scripts/ab_cpu.py --a /tmp/x/int4 --b /tmp/x/int4,session.intra_op.allow_spinning=0
@@ -33,8 +34,9 @@ def parse_arm(text: str) -> tuple[Path, dict[str, str]]:
     opts = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if not sep or (key == "opt" and value not in LEVELS) or (key == "intra" and not value.isdigit()):
-            raise ValueError(f"bad option {option!r}; use opt={'|'.join(LEVELS)}, intra=N or a session KEY=VALUE")
+        if not sep or (key == "opt" and value not in LEVELS) or (key == "intra" and not value.isdigit()) or (
+                key == "arena" and value not in ("0", "1")):
+            raise ValueError(f"bad option {option!r}; use opt={'|'.join(LEVELS)}, intra=N, arena=0|1 or a session KEY=VALUE")
         opts[key] = value
     return Path(path), opts
 
@@ -47,6 +49,8 @@ def _apply(sess_opts, options: dict[str, str]) -> None:
             sess_opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[value])
         elif key == "intra":
             sess_opts.intra_op_num_threads = int(value)
+        elif key == "arena":
+            sess_opts.enable_cpu_mem_arena = value == "1"
         else:
             sess_opts.add_session_config_entry(key, value)
 

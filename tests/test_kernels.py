@@ -35,7 +35,7 @@ def hf_delta(fn, q, k, v, g, beta, S, **kw):
     return o[0].numpy(), s[0].numpy()
 
 
-def emit_delta_graph(n, tree=False):
+def emit_delta_graph(n, tree=False, fp16_guards=True):
     g = GraphBuilder("delta")
     q = g.input("q", np.float32, [n, HK, DK])
     k = g.input("k", np.float32, [n, HK, DK])
@@ -47,7 +47,7 @@ def emit_delta_graph(n, tree=False):
     strict = g.op("Mul", m, g.const(1 - np.eye(n, dtype=np.float32)))
     o, s_after, (ck, cu, cg) = delta_rule.emit_gated_delta(g, q, k, v, gate, beta, S, m, g.transpose(m, [1, 0]),
                                                            strict, n=n, hk=HK, hv=HV, dk=DK, dv=DV,
-                                                           chain_state=not tree)
+                                                           chain_state=not tree, fp16_guards=fp16_guards)
     g.output(o, "o", np.float32, [n, HV, DV])
     if tree:
         g.output(ck, "ck", np.float32, [n, HV, DK])
@@ -58,8 +58,9 @@ def emit_delta_graph(n, tree=False):
     return g
 
 
+@pytest.mark.parametrize("fp16_guards", [True, False])  # False: the CPU verify graph's form (no σ scaling)
 @pytest.mark.parametrize("n", [1, 5, 37])
-def test_delta_rule_numpy_vs_transformers_vs_onnx(n):
+def test_delta_rule_numpy_vs_transformers_vs_onnx(n, fp16_guards):
     q, k, v, g, beta, S = gdn_inputs(n, seed=n)
     o_ref, s_ref = delta_rule.gated_delta_recurrent_ref(*(x.astype(np.float64) for x in (q, k, v, g, beta, S)))
     o_hf, s_hf = hf_delta(M5.torch_recurrent_gated_delta_rule, q, k, v, g, beta, S)
@@ -73,8 +74,8 @@ def test_delta_rule_numpy_vs_transformers_vs_onnx(n):
     np.testing.assert_allclose(o_masked, o_ref, atol=1e-10)
     np.testing.assert_allclose(delta_rule.commit_state_ref(S.astype(np.float64), commit, list(range(n))), s_ref,
                                atol=1e-10)
-    o_onnx, s_onnx = run_graph(emit_delta_graph(n), dict(q=q, k=k, v=v, g=g, beta=beta, S=S,
-                                                         M=causal.astype(np.float32)))
+    o_onnx, s_onnx = run_graph(emit_delta_graph(n, fp16_guards=fp16_guards),
+                               dict(q=q, k=k, v=v, g=g, beta=beta, S=S, M=causal.astype(np.float32)))
     np.testing.assert_allclose(o_onnx, o_ref, atol=2e-5)
     np.testing.assert_allclose(s_onnx, s_ref, atol=2e-5)
 
@@ -140,12 +141,13 @@ def ancestor_mask(parents):
     return M
 
 
-def test_tree_delta_rule_matches_recurrence_along_every_path():
+@pytest.mark.parametrize("fp16_guards", [True, False])
+def test_tree_delta_rule_matches_recurrence_along_every_path(fp16_guards):
     parents = tree_parents()
     n = len(parents)
     q, k, v, g, beta, S = gdn_inputs(n, seed=3)
     M = ancestor_mask(parents)
-    o_onnx, ck, cu, cg = run_graph(emit_delta_graph(n, tree=True),
+    o_onnx, ck, cu, cg = run_graph(emit_delta_graph(n, tree=True, fp16_guards=fp16_guards),
                                    dict(q=q, k=k, v=v, g=g, beta=beta, S=S, M=M.astype(np.float32)))
     for m in range(n):
         path = root_path(parents, m)

@@ -103,7 +103,7 @@ class Engine:
             file = graphs[graph]["file"]
             if file not in opened:
                 try:
-                    session = cpu_session(self.path / file, self.manifest, threads, secondary=name == "verify")
+                    session = cpu_session(self.path / file, self.manifest, threads)
                 except Exception as e:  # ORT's own error types: a file it cannot read
                     raise damaged(self.path, file, e) from None
                 check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"])

@@ -20,10 +20,9 @@ def cpu_graph(graphs: dict, name: str) -> str:
     return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
 
 
-def cpu_session(path, manifest: dict, threads: int | None = None, secondary: bool = False) -> ort.InferenceSession:
-    """A CPU session of one of the export's graphs, set up the way every reader of an export needs;
-    secondary: one called between another session's calls (session_options)."""
-    opts = session_options(threads, secondary)
+def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
+    """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
+    opts = session_options(threads)
     # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
     # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
     # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.

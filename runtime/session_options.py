@@ -2,10 +2,15 @@
 engine's CPU graphs, the drafter, QDQ calibration, the NPU's QNN sessions, the benchmarks' bounds).
 
 Threads: the caller's (None: ORT's default, one per core). Spinning: ORT's intra-op workers spin
-between kernels by default; HYBRID_NPU_SPINNING=0 makes them sleep, for a machine whose cores are
-busy with other work. Measured on 2 cores, int4, paired A/B (docs/cpu-speed.md): with the VM
-loaded by other work, not spinning was 1.28x prefill / 1.76x decode faster; with it quiet,
-spinning was 1.04x / 1.11x faster, so the default stays ORT's.
+between kernels, which a step of many short kernels needs; here they stop spinning when a run
+ends (session.force_spinning_stop). Each session owns a pool, and one left spinning after its run
+took the cores from the next session's: the verify graph's pool from the decode step after a round,
+the decode pool from the round after a plain step (docs/speculation.md). Paired on the embedded
+model (verify 8 nodes, decode between): verify 7.3-7.8 -> 6.3-6.4 ms a round, the chat chain
+speculation 1.17-1.21x -> 1.21-1.32x plain; plain decode within noise of spinning on (0.97-1.04x,
+0.8B int4 and embedded). HYBRID_NPU_SPINNING=0 turns spinning off altogether, for a machine whose
+cores are busy with other work: measured on 2 cores, int4, the VM loaded by other work, not
+spinning was 1.28x prefill / 1.76x decode faster; quiet, spinning was 1.04x / 1.11x faster.
 """
 from __future__ import annotations
 
@@ -14,19 +19,17 @@ import os
 import onnxruntime as ort
 
 
-def session_options(threads: int | None = None, secondary: bool = False) -> ort.SessionOptions:
+def session_options(threads: int | None = None) -> ort.SessionOptions:
     """Options every session starts from: errors-only logging (ORT's initializer-cleanup notes are
-    not the user's business), the thread count, the spinning choice. secondary: a session called
-    between the main one's calls (the verify graph between decode steps) never spins: each session
-    owns a pool, and its workers spinning on after its call took the cores from the next decode
-    step (docs/speculation.md: a plain step right after a round cost 1.44-2.30x a plain step before
-    it with the verify pool spinning, 0.33-0.69x without; verify 36.4 vs 8.7 ms)."""
+    not the user's business), the thread count, the spinning choice."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
-    if secondary or os.environ.get("HYBRID_NPU_SPINNING") == "0":
+    if os.environ.get("HYBRID_NPU_SPINNING") == "0":
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    else:
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
 
 

@@ -14,6 +14,7 @@ session.intra_op.allow_spinning=0. The options are applied to every CPU session 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -88,7 +89,8 @@ def main() -> int:
             ap.error(str(e))
         if not (arms[name][0] / "model.json").is_file():
             ap.error(f"{arms[name][0]} is not an export (no model.json); make one with export-hybrid")
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 200_000, args.prefill)]
+    vocab = min(json.loads((arms[n][0] / "model.json").read_text())["config"]["vocab_size"] for n in arms)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, min(vocab, 200_000), args.prefill)]
     runs = {"a": [], "b": []}
     for _ in range(args.rounds):
         for name, (path, options) in arms.items():

@@ -43,7 +43,7 @@ def child(arm: str, ctx: int) -> dict:
 
     if arm == "spinning":  # the verify session as a main one: spinning after its calls
         real = engine_mod.cpu_session
-        engine_mod.cpu_session = lambda path, manifest, threads=None, secondary=False: real(path, manifest, threads)
+        engine_mod.cpu_session = lambda path, manifest, threads=None: real(path, manifest, threads)
     e = hybrid_npu.load(hybrid_npu.default_model(), threads=2)
     ids = bench.source_ids(e.tokenizer, ctx)
     e.generate(ids, 2, speculative=False)

@@ -41,8 +41,7 @@ def main() -> int:
     engine = hybrid_npu.load(args.a, threads=args.threads)
     cfg, rng = engine.config, np.random.default_rng(0)
     arms = {"a": engine.pipelines["verify"],
-            "b": Pipeline([cpu_session(args.b / "graphs" / "cpu_verify.onnx", engine.manifest, args.threads,
-                                       secondary=True)], "CPU")}
+            "b": Pipeline([cpu_session(args.b / "graphs" / "cpu_verify.onnx", engine.manifest, args.threads)], "CPU")}
     sizes = [m for m in engine.manifest["graphs"]["cpu_verify"]["sizes"] if m <= 16]
     trees = {m: Tree([int(t) for t in rng.integers(0, cfg.vocab_size, m)], [-1] + list(range(m - 1))) for m in sizes}
     result = {"machine": {"cpu": cpu_model()}, "threads": args.threads, "repeats": args.repeats,

@@ -261,7 +261,7 @@ def test_propose_valid_deterministic_and_matches_reference(plain):
     dr = Eagle3Drafter(outs["eagle3"])
     taps, toks = taps_and_tokens(7)
     dr.observe(toks, taps)
-    for top_k, depth, total in ((4, 4, 20), (3, 6, 12), (2, 1, 5), (5, 3, 60)):
+    for top_k, depth, total in ((4, 4, 20), (3, 6, 12), (2, 1, 5), (5, 3, 60), (1, 6, 6), (1, 5, 3)):
         tokens, parents = dr.propose(toks[-1], top_k=top_k, depth=depth, total_tokens=total)
         levels = _valid_tree(tokens, parents, w, top_k, depth, total)
         assert dr.length == 7  # stable K/V untouched
@@ -288,6 +288,18 @@ def test_propose_valid_deterministic_and_matches_reference(plain):
                 hidden = h2[-1]
             top = np.argsort(-l2[-1])
             assert set(kids) <= set(d2t(w)[top[:top_k]].tolist()), (node, levels[node])
+
+
+def test_chain_proposal_is_the_beam_search_at_top_k_1(plain):
+    """top_k 1 takes the chain path (no beam bookkeeping); it proposes what the beam code does."""
+    w, outs = plain
+    dr = Eagle3Drafter(outs["eagle3"])
+    taps, toks = taps_and_tokens(9)
+    dr.observe(toks, taps)
+    for depth, total in ((1, 1), (4, 4), (6, 3), (7, 7)):
+        chain = dr.propose(toks[-1], 1, depth, total)
+        assert chain == dr._propose_tree(1, depth, total) and len(chain[0]) == min(depth, total)
+        assert chain[1] == [-1] + list(range(len(chain[0]) - 1))
 
 
 def test_rollback_is_free(plain):

@@ -107,11 +107,13 @@ def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> s
 # ---------------------------------------------------------------- speculation
 def policy_for(engine) -> SpecPolicy:
     """The policy carries over from reply to reply (its costs and acceptance still hold); a new one
-    when the draft shape's depth changed or engine.make_policy was replaced."""
+    when the draft shape changed (a tree's acceptance and verify sizes say nothing of a chain's: kept,
+    a top-4 tree's costs held chain rounds back) or engine.make_policy was replaced."""
     policy = getattr(engine, "_policy", None)
-    if (policy is None or policy.max_depth != engine.draft_shape["depth"]
-            or engine._policy_maker is not engine.make_policy):
+    shape = dict(engine.draft_shape)
+    if policy is None or engine._policy_shape != shape or engine._policy_maker is not engine.make_policy:
         engine._policy, engine._policy_maker = engine.make_policy(engine), engine.make_policy
+        engine._policy_shape = shape
     return engine._policy
 
 

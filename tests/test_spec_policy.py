@@ -7,6 +7,7 @@ from conftest import CHUNK
 import drafter_fixtures
 import hybrid_npu
 from hybrid_npu.export.exporter import export
+from hybrid_npu.runtime import generation
 from hybrid_npu.runtime.spec_policy import SpecPolicy
 
 MS = 1e-3
@@ -242,3 +243,18 @@ def test_leaving_plain_decoding_needs_a_clear_win():
     assert p.plan() == 0
     p.record_round(1, 0, 1 * MS, 8 * MS)
     assert p.plan() == 1
+
+
+def test_a_new_draft_shape_starts_a_new_policy(eagle3_export):
+    """Costs and acceptance measured for one draft shape do not carry over to another of the same
+    depth (a top-4 tree's 16-node verify and lower acceptance held chain rounds back)."""
+    engine = hybrid_npu.load(eagle3_export)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, 12)]
+    engine.draft_shape = {"top_k": 4, "depth": 3, "total_tokens": 10}
+    engine.generate(prompt, 16, stop_at_eos=False)
+    tree_policy = generation.policy_for(engine)
+    engine.generate(prompt, 16, stop_at_eos=False)
+    assert generation.policy_for(engine) is tree_policy  # the same shape: kept, reply to reply
+    engine.draft_shape = {"top_k": 1, "depth": 3, "total_tokens": 3}
+    chain_policy = generation.policy_for(engine)
+    assert chain_policy is not tree_policy and chain_policy.successes == chain_policy.failures == 0

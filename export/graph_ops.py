@@ -52,8 +52,10 @@ class PlainOps:
     def short_conv(self, x: str, state: str, w_kc: str, *, n: int, k: int, state_select, tree_select):
         return emit_short_conv(self.g, x, state, w_kc, n, k, state_select, tree_select)
 
+    state_unit_axis = False  # recurrent_state_out is [1, Hv, Dk, Dv], not [Hv, Dk, Dv]
+
     def state_out(self, S_after: str) -> str:
-        """The delta rule's new state as the graph outputs it ([Hv, Dk, Dv]), after any If."""
+        """The delta rule's new state as the graph outputs it, after any If."""
         return S_after
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
@@ -88,8 +90,10 @@ class CpuOps(PlainOps):
     def softplus(self, x: str) -> str:
         return self.g.op("Softplus", x)  # the CPU's own is exact
 
-    def state_out(self, S_after: str) -> str:
-        return self.g.op("Squeeze", S_after, self.g.ints([0]))
+    # LinearAttention's own [1, Hv, Dk, Dv] goes out as it is: squeezed, ORT copied each layer's
+    # state into the graph output (int4 0.8B decode, paired: ~5-8% of a step; docs/cpu-speed.md);
+    # the host drops the unit axis as a view (runtime/step_inputs.py)
+    state_unit_axis = True
 
     def gated_norm(self, o: str, z: str, weight: str, *, rows, hv: int, dv: int, unit: str | None) -> str:
         return emit_gated_rmsnorm_cpu(self.g, o, z, weight, self.eps)  # o already [rows, Hv·Dv]

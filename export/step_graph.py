@@ -16,7 +16,8 @@ I/O names (stable; the manifest lists them with shapes):
        conv_state.{i} [conv_dim, K-1]; recurrent_state.{i} [Hv, Dk, Dv] fp32, in units of
        recurrent_scale.{i} [Hv] (prefill and verify; 1 = real units; S out and commit u in them too);
        past_key.{i} / past_value.{i} [nKV, past_len, hd]
-  out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i};
+  out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i} (as the
+       state, [1, Hv, Dk, Dv] in the CPU op set's graphs: LinearAttention's own output);
        new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j; j = L:
        after the last layer, with StepSpec.final_tap);
        tree only: commit_k.{i} [N, Hv, Dk], commit_u.{i} [N, Hv, Dv], commit_g.{i} [N, Hv],
@@ -287,7 +288,8 @@ class _Builder:
         else:
             new_conv, S_after = rest
             g.output(new_conv, f"conv_state_out.{i}", np.float32, [c.conv_dim, k - 1])
-            g.output(self.ops.state_out(S_after), f"recurrent_state_out.{i}", np.float32, [hv, dk, dv])
+            g.output(self.ops.state_out(S_after), f"recurrent_state_out.{i}", np.float32,
+                     [1, hv, dk, dv] if self.ops.state_unit_axis else [hv, dk, dv])
         norm_w = self.w(self.plan.vector(a + "norm.weight", dv))
         normed = self.ops.gated_norm(o, z, norm_w, rows=n if self.traits.rows == "static" else -1, hv=hv, dv=dv,
                                      unit=unit)

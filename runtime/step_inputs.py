@@ -49,7 +49,7 @@ def commit_chain(state: State, out: dict[str, np.ndarray], ids: list[int]) -> No
     valid, pos = len(ids), state.position
     for i, layer in state.gdn.items():
         layer.conv = out[f"conv_state_out.{i}"]
-        layer.recurrent = out[f"recurrent_state_out.{i}"]
+        layer.recurrent = out[f"recurrent_state_out.{i}"].reshape(layer.recurrent.shape)  # the CPU graphs': [1, ...]
     for i, layer in state.attention.items():
         layer.key[:, pos: pos + valid] = out[f"new_key.{i}"][:, :valid]
         layer.value[:, pos: pos + valid] = out[f"new_value.{i}"][:, :valid]

@@ -185,9 +185,21 @@ class SpecPolicy:
         need = self.margin * (1 + self.hysteresis if self._last == "plain" else 1)
         return depth if depth > 0 and rate * self.decode_s > need else 0
 
+    def measuring_depth(self) -> int:
+        """The depth of the rounds that measure the costs (at the start, and again at a far context):
+        as deep as the drafts still have an even chance, 1 with no evidence. At max depth, a reply at
+        a new context whose drafter accepted little paid two full rounds before plain decoding
+        (embedded pair, 12k tokens of source: acceptance length 1.0-1.3)."""
+        a = self.acceptance()
+        if a >= 1.0:
+            return self.max_depth
+        if a <= 0.0:
+            return 1
+        return max(1, min(self.max_depth, int(math.log(0.5) / math.log(a))))
+
     def _choose(self) -> int:
         if self.draft_level_s is None:  # measure a round (the second of a run is the one kept)
-            return self.max_depth
+            return self.measuring_depth()
         if self.decode_s is None or self._refreshing:  # ... then a plain step, likewise
             self._refreshing = self._refreshing and self._last != "plain"
             return 0

@@ -62,7 +62,8 @@ class LazyPipelines(dict):
                 self._opened[name] = self._open(name)
             except BaseException as e:  # kept for the lookup, which raises it where the caller is
                 self._opened[name] = e
-        self._opening[name] = thread = threading.Thread(target=run, name=f"open-{name}", daemon=True)
+        # not a daemon: the interpreter waits for it at exit (exited mid-build, the process segfaulted)
+        self._opening[name] = thread = threading.Thread(target=run, name=f"open-{name}")
         thread.start()
 
     def __missing__(self, name: str) -> Pipeline:

@@ -39,3 +39,14 @@ def test_a_prefetch_that_fails_raises_at_the_lookup_and_unknown_names_stay_unkno
         pipes["verify"]
     with pytest.raises(KeyError):
         pipes["npu_verify"]
+
+
+def test_a_process_that_exits_right_after_loading_exits_cleanly():
+    """The embedded model has a drafter, so its verify session is still being built when this
+    process exits at once (a CLI refusing its input does): exit status 0, not a crash."""
+    import subprocess
+    import sys
+
+    code = "import hybrid_npu; hybrid_npu.load(hybrid_npu.default_model())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-400:]

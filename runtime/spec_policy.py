@@ -190,11 +190,9 @@ class SpecPolicy:
         as deep as the drafts still have an even chance, 1 with no evidence. At max depth, a reply at
         a new context whose drafter accepted little paid two full rounds before plain decoding
         (embedded pair, 12k tokens of source: acceptance length 1.0-1.3)."""
-        a = self.acceptance()
-        if a >= 1.0:
-            return self.max_depth
-        if a <= 0.0:
-            return 1
+        # Laplace's rule: one accepted draft is not yet a drafter that is always right (with the raw
+        # rate, the first measuring round's success sent the second to full depth)
+        a = (self.successes + 1.0) / (self.successes + self.failures + 2.0)
         return max(1, min(self.max_depth, int(math.log(0.5) / math.log(a))))
 
     def _choose(self) -> int:

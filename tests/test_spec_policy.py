@@ -44,8 +44,8 @@ def test_a_drafter_that_is_always_right_speculates_at_full_depth():
     dec = drive(p, 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
     # two rounds and two plain steps to measure both (the second of each kept), then rounds with
     # two plain steps after 2, 4, 8, then every 16 rounds. With no evidence the first measuring round
-    # is one draft deep (measuring_depth); its acceptance sends the second to full depth.
-    assert dec[:2] == [1, 6] and set(dec[2:]) == {0, 6}
+    # is one draft deep (measuring_depth), and one accepted draft is not yet evidence for more.
+    assert dec[:2] == [1, 1] and set(dec[2:]) == {0, 6}
     assert runs(dec)[:11] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4), ("p", 2), ("r", 8), ("p", 2),
                               ("r", 16), ("p", 2), ("r", 16)]
     assert drive(SpecPolicy(6, refresh_every=16), 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d) == dec
@@ -67,9 +67,12 @@ def test_the_measuring_rounds_are_as_deep_as_the_acceptance_evidence_allows():
     """Costs unknown (the start, a far context): the measuring rounds go as deep as a draft still has
     an even chance: 1 with no evidence or a poor drafter, the full depth for a good one."""
     p = SpecPolicy(6)
-    assert p.measuring_depth() == 1  # acceptance 1/2: the second draft would have 1/4
-    for a, want in ((0.3, 1), (0.75, 2), (0.9, 6), (0.95, 6)):
-        p.successes, p.failures = a, 1 - a
+    assert p.measuring_depth() == 1  # no evidence: 1/2, and the second draft would have 1/4
+    p.successes = 1.0
+    assert p.measuring_depth() == 1  # one accepted draft: (1 + 1) / (1 + 2) = 2/3 (Laplace), 2/3² < 1/2
+    # 20 drafts' worth of evidence at rate a: (20a + 1) / 22, as deep as its powers stay >= 1/2
+    for a, want in ((0.3, 1), (0.75, 2), (0.9, 4), (0.95, 6)):
+        p.successes, p.failures = 20 * a, 20 * (1 - a)
         assert p.measuring_depth() == want and p.choose() == want  # costs still unknown: a measuring round
     p.successes, p.failures = 0.2, 0.8
     p.note_context(24)

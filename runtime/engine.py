@@ -145,7 +145,7 @@ class Engine:
         # speculation decides per step whether a round pays (runtime/spec_policy.py); False: every
         # step is a round. make_policy(engine) -> a SpecPolicy (tests inject fixed costs)
         self.adaptive = True
-        self.make_policy = lambda engine: SpecPolicy(engine.draft_shape["depth"], verify_nodes=engine.verify_nodes)
+        self.make_policy = lambda engine: SpecPolicy(engine.draft_shape["depth"], verify_nodes=engine.verify_graph)
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
@@ -233,17 +233,23 @@ class Engine:
         stream() samples from on a plain step)."""
         return self._step("decode", [token])
 
-    def verify_nodes(self, depth: int) -> int:
-        """Nodes the verify graph runs for a draft of `depth` levels: its static N, or on the CPU,
-        where the export has the sized graph, the smallest size that holds the largest tree the
-        draft shape grows at that depth (EAGLE-2: top_k, then top_k² per further level)."""
+    def verify_graph(self, depth: int) -> tuple[str, int]:
+        """(device, nodes) of the verify a round of `depth` levels runs now: the NPU's static graph
+        while the context and its N nodes fit the NPU's T_max; else the CPU's, where the export has
+        the sized graph the smallest size that holds the largest tree the draft shape grows at that
+        depth (EAGLE-2: top_k, then top_k² per further level), else its static N."""
         graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
+        if "npu_verify" in self.pipelines and self.state.position + n <= self.profile.attention_capacity:
+            return NPU_DEVICE, n
         sizes = graphs.get("cpu_verify", {}).get("sizes")
-        if not sizes or "npu_verify" in self.pipelines:
-            return n
+        if not sizes:
+            return CPU_DEVICE, n
         k = self.draft_shape["top_k"]
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
-        return next((m for m in sizes if m >= real), n)
+        return CPU_DEVICE, next((m for m in sizes if m >= real), n)
+
+    def verify_nodes(self, depth: int) -> int:
+        return self.verify_graph(depth)[1]
 
     def _taps(self, out: dict[str, np.ndarray], rows) -> np.ndarray:
         """The drafter's feature of the given token rows, its taps concatenated in its order (EAGLE-3:

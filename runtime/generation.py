@@ -146,7 +146,7 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     pass, commit the accepted path; returns the tokens it emits (accepted drafts + the target's bonus
     token), at most `room`. policy: told what the round cost and accepted."""
     depth = engine.draft_shape["depth"] if depth is None else depth
-    n = engine.verify_nodes(depth)
+    device, n = verify = engine.verify_graph(depth)  # the NPU's static graph while it fits T_max
     tc = time.perf_counter()
     catch_up_drafter(engine)
     t0 = time.perf_counter()
@@ -155,11 +155,11 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     t1 = time.perf_counter()
     engine._check_fits(n)
     state, t_max = engine.state, engine.profile.attention_capacity
-    on_npu = "npu_verify" in engine.pipelines and state.position + n <= t_max
+    on_npu = device == NPU_DEVICE
     if on_npu and state.capacity != t_max:
         state.resize(t_max)  # the NPU graphs read exactly T_max rows; kept for the next rounds
     out = engine.pipelines["npu_verify" if on_npu else "verify"].run(tree_feed(engine.config, state, tree))
-    engine.spec_stats["verify_device"] = NPU_DEVICE if on_npu else CPU_DEVICE
+    engine.spec_stats["verify_device"] = device
     if sampler.greedy:
         path, bonus = accept_greedy(out["logits"], tree, n_real)
     else:
@@ -176,7 +176,7 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     engine.drafter.observe(emitted, engine._taps(out, np.array(path)))
     t2 = time.perf_counter()
     if policy is not None:  # what the target accepted, before any cut (room, end of sequence)
-        policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1)
+        policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1, verify)
     stats = engine.spec_stats
     stats["rounds"] += 1
     stats["accepted"] += len(path) - 1

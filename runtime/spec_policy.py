@@ -49,7 +49,8 @@ from statistics import median
 @dataclass
 class SpecPolicy:
     max_depth: int
-    verify_nodes: object = None          # depth -> verify graph size (static N: always the same)
+    verify_nodes: object = None          # depth -> the verify graph a round runs now: its size, or (device,
+    #                                       size) when rounds may verify on more than one device
     window: int = 8                       # measurements each cost's median is taken over
     keep: float = 0.875                   # per round, how much of the old acceptance evidence stays
     probe_every: int = 8
@@ -114,14 +115,20 @@ class SpecPolicy:
     def round_cost(self, depth: int) -> float | None:
         if self.draft_level_s is None or not self._fixed:
             return None
-        n, fixed_s = self._nodes(depth), self.fixed_s
+        key = self._nodes(depth)
+        # only the graph of the device this round verifies on: the NPU's static verify and the CPU's
+        # sized one cost different things (past the NPU's T_max rounds move to the CPU; judged by
+        # the NPU's costs, the CPU's rounds were never tried: docs/speculation.md)
+        fixed_s = {k: v for k, v in self.fixed_s.items() if _device(k) == _device(key)}
+        if not fixed_s:
+            return None
         # a verify size costs at most what any larger measured size costs (a larger graph does more
         # work): an unmeasured size, or one measured a few times under a load spike and then never
         # chosen again, is charged as the cheapest measured size at or above it. Measured on the
         # embedded pair: one 36.8 ms 4-node verify, beside 16 ms for 8 nodes, kept depths 1-3 out
         # for a whole reply. Above every measured size: the largest one.
-        above = [fixed_s[k] for k in fixed_s if k >= n]
-        fixed = min(above) if above else fixed_s[max(fixed_s)]
+        above = [v for k, v in fixed_s.items() if _size(k) >= _size(key)]
+        fixed = min(above) if above else fixed_s[max(fixed_s, key=_size)]
         return fixed + depth * self.draft_level_s
 
     def best_depth(self) -> tuple[int, float]:
@@ -214,7 +221,7 @@ class SpecPolicy:
             return depth
         if self._plain_run >= self._probe_interval and self._plain_run >= self.budget_interval():
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-            self._probe_depth = self.best_depth()[0] or self.max_depth
+            self._probe_depth = self.best_depth()[0] or self.measuring_depth()
             return self._probe_depth
         return 0
 
@@ -225,14 +232,25 @@ class SpecPolicy:
         self._plain_run += 1
         self._spec_run = 0
 
-    def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float) -> None:
+    def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float, verify=None) -> None:
         """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
-        (verify, commit, drafter observe)."""
+        (verify, commit, drafter observe); verify: the graph it ran (verify_nodes' answer before the
+        round; by default asked now)."""
         if self._last == "round":
             self._add(self._draft_level, draft_s / max(depth, 1))
-            self._add(self._fixed.setdefault(self._nodes(depth), deque()), rest_s)
+            key = self._nodes(depth) if verify is None else verify
+            self._add(self._fixed.setdefault(key, deque()), rest_s)
         self._last = "round"
         self.successes = self.keep * self.successes + min(accepted, depth)
         self.failures = self.keep * self.failures + (accepted < depth)
         self._spec_run += 1
         self._plain_run = 0
+
+
+def _device(key) -> object:
+    """A verify graph key's device: (device, size) keys name one; a bare size is the only device."""
+    return key[0] if isinstance(key, tuple) else None
+
+
+def _size(key) -> int:
+    return key[1] if isinstance(key, tuple) else key

@@ -150,6 +150,26 @@ def test_verify_cost_is_kept_per_graph_size():
     assert p.round_cost(4) == pytest.approx(4 * p.draft_level_s + 9 * MS)
 
 
+def test_verify_costs_are_kept_per_device():
+    """Rounds verify on the NPU while the context fits its T_max, then on the CPU: a cost measured on
+    one device's graph is never charged to the other's (the NPU's 16-node verify is not the CPU's
+    4-node one), and the key a round ran with is the one its cost is kept under."""
+    where = ["QNN/HTP"]
+    p = SpecPolicy(4, verify_nodes=lambda d: (where[0], 16 if where[0] == "QNN/HTP" else 4))
+    for _ in range(2):
+        p.record_plain(10 * MS)
+    for _ in range(2):
+        p.record_round(4, 4, 4 * MS, 40 * MS)
+    assert p.round_cost(4) == pytest.approx(44 * MS)
+    where[0] = "CPU"
+    assert p.round_cost(4) is None and p.best_depth() == (0, 0.0)  # unknown there: measured, not assumed
+    p.record_round(4, 4, 4 * MS, 8 * MS, verify=("CPU", 4))
+    assert p.round_cost(4) == pytest.approx(12 * MS)
+    where[0] = "QNN/HTP"
+    assert p.round_cost(4) == pytest.approx(44 * MS)
+    assert set(p.fixed_s) == {("QNN/HTP", 16), ("CPU", 4)}
+
+
 def test_a_smaller_verify_size_never_costs_more_than_a_larger_measured_one():
     """A 4-node verify measured once under a load spike (30 ms) and never chosen again must not price
     depths 1-3 above the 8-node graph's measured 9 ms: it is charged 9 ms, unmeasured 2 nodes too."""

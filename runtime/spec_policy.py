@@ -147,15 +147,18 @@ class SpecPolicy:
         """(depth, tokens per second) of the best round by the estimates; (0, 0) if unknown. Kept
         until a round's cost, the acceptance evidence or a depth's verify graph changes (plain steps
         change none of them)."""
-        key = (tuple(self._medians.get(id(seen)) for seen in (self._draft_level, *self._fixed.values())),
-               len(self._fixed), self.successes, self.failures,
-               tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
-        if self._best is not None and self._best[0] == key and None not in key[0]:
+        if self._best is not None and self._best[0] == self._estimates():
             return self._best[1]
         best = self._best_depth()
-        key = (tuple(self._medians.get(id(seen)) for seen in (self._draft_level, *self._fixed.values())),) + key[1:]
-        self._best = (key, best)
+        self._best = (self._estimates(), best)
         return best
+
+    def _estimates(self) -> tuple:
+        """What best_depth reads: the round costs' medians (None where one changed since), the
+        acceptance evidence, each depth's verify graph."""
+        medians = tuple(self._medians.get(id(seen)) for seen in (self._draft_level, *self._fixed.values()))
+        return (medians if None not in medians else object(), tuple(self._fixed), self.successes, self.failures,
+                tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
 
     def _best_depth(self) -> tuple[int, float]:
         best = (0, 0.0)

@@ -297,3 +297,24 @@ def test_a_new_draft_shape_starts_a_new_policy(eagle3_export):
     engine.draft_shape = {"top_k": 1, "depth": 3, "total_tokens": 3}
     chain_policy = generation.policy_for(engine)
     assert chain_policy is not tree_policy and chain_policy.successes == chain_policy.failures == 0
+
+
+def test_the_best_depth_follows_every_new_measurement():
+    """best_depth is kept between plain steps; a new round cost or acceptance changes it at once: it
+    equals what a policy fed the same measurements, never asked in between, computes."""
+    def feed(p, asking):
+        answers = []
+        for _ in range(2):
+            p.record_plain(10 * MS)
+        for _ in range(2):
+            p.record_round(6, 6, 6 * MS, 5 * MS)    # cheap 8-node rounds, all accepted
+        answers.append(asking and p.best_depth())
+        p.record_plain(10 * MS)
+        answers.append(asking and p.best_depth())   # a plain step changes no round estimate
+        for _ in range(8):
+            p.record_round(6, 0, 6 * MS, 80 * MS)   # the verify turns slow and nothing is accepted
+        return answers + [p.best_depth()]
+    asked = feed(SpecPolicy(6, verify_nodes=lambda d: 2 if d == 1 else 8), True)
+    fresh = feed(SpecPolicy(6, verify_nodes=lambda d: 2 if d == 1 else 8), False)
+    assert asked[0] == asked[1] and asked[0][0] == 6
+    assert asked[-1] == fresh[-1] and asked[-1][1] < asked[0][1] / 10

@@ -1,11 +1,15 @@
 """The sampled-speculation check both drafters' tests run: draw the first two generated tokens many
 times through multi-candidate rejection on pre-verified trees, and compare their counts with the
 plain sampler's exact joint distribution by a chi-square test."""
+import copy
+
 import numpy as np
 from scipy.stats import chisquare
 
-from hybrid_npu.runtime.sampling import choose
-from hybrid_npu.runtime.speculative import accept_sampled
+from hybrid_npu.runtime.sampling import choose, filtered_probs
+from hybrid_npu.runtime.speculative import Tree, accept_sampled, tree_feed
+
+RUNS = 20_000
 
 
 def sample_first_two(logits0, verified: dict, temperature: float, top_p: float, runs: int):
@@ -32,3 +36,30 @@ def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, float
         obs, exp = np.append(obs, counts[~keep].sum()), np.append(exp, expected[~keep].sum())
     stat, pvalue = chisquare(obs, exp * obs.sum() / exp.sum())
     return stat, pvalue, len(obs)
+
+
+def check_first_two(engine, logits0, temperature: float, top_p: float, draft) -> None:
+    """engine just prefilled a prompt whose last logits are logits0. For every first token y the
+    plain sampler could give, draft(y, p2) -> (tokens, parents) is the tree drafted after y (p2: the
+    target's filtered distribution after y, for a drafter that wants it); the target verifies it
+    once. Then RUNS seeded runs of multi-candidate rejection must give the exact plain joint
+    distribution of the first two tokens (chi-square), with drafts really accepted."""
+    base, v = copy.deepcopy(engine.state), len(logits0)
+    p1 = filtered_probs(logits0, temperature, 0, top_p)
+    n = engine.manifest["graphs"]["verify"]["n"]
+    joint, verified = np.zeros((v, v)), {}
+    for y in range(v):
+        engine.state = copy.deepcopy(base)
+        p2 = filtered_probs(engine.decode(y), temperature, 0, top_p)
+        joint[y] = p1[y] * p2
+        tree, n_real = Tree.from_draft(y, *draft(y, p2), n)
+        engine.state = copy.deepcopy(base)
+        verified[y] = (tree, n_real, engine.pipelines["verify"].run(tree_feed(engine.config, engine.state, tree))["logits"])
+    counts, drafts_accepted = sample_first_two(logits0, verified, temperature, top_p, RUNS)
+    assert drafts_accepted > RUNS // 10  # drafts really were accepted, not only bonus tokens sampled
+    expected = joint.ravel() * RUNS
+    assert counts.ravel()[expected == 0].sum() == 0  # never a token the plain sampler cannot produce
+    stat, pvalue, bins = chi_square_p(counts.ravel(), expected)
+    print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {bins} bins, p = {pvalue:.3f}, "
+          f"a draft accepted in {drafts_accepted / RUNS:.0%} of runs")
+    assert pvalue > 0.001

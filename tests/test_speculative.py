@@ -1,19 +1,17 @@
 """Speculative decoding on the hybrid target is lossless: greedy output is token-identical to plain
 greedy decoding whatever the drafter proposes, the committed state equals plain decoding of the
 accepted tokens, and sampled output has exactly the plain sampling distribution."""
-import copy
 
 import numpy as np
 import pytest
 from conftest import CHUNK
 
 import fixtures
-from sampled_check import chi_square_p, sample_first_two
+from sampled_check import check_first_two
 import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.generation import speculative_round, stream
-from hybrid_npu.runtime.sampling import Sampler, filtered_probs
-from hybrid_npu.runtime.speculative import Tree, tree_feed
+from hybrid_npu.runtime.sampling import Sampler
 
 
 class RandomDrafter:
@@ -159,33 +157,15 @@ def test_sampled_speculative_tokens_have_the_plain_distribution(tiny_vocab, temp
     The drafter's tree for each first token is drawn once (a drafter may be deterministic), so the
     verify pass runs once per first token and the 20,000 runs exercise the acceptance rule."""
     engine = hybrid_npu.load(tiny_vocab)
-    prompt = [3, 7, 2, 9, 4]
-    logits0 = engine.prefill_logits(prompt)
-    base = copy.deepcopy(engine.state)
-    p1 = filtered_probs(logits0, temperature, 0, top_p)
-    drafter = RandomDrafter(V, seed=11)
-    n = engine.manifest["graphs"]["verify"]["n"]
-    joint, verified = np.zeros((V, V)), {}
-    for y in range(V):
-        engine.state = copy.deepcopy(base)
-        p2 = filtered_probs(engine.decode(y), temperature, 0, top_p)
-        joint[y] = p1[y] * p2
+    logits0 = engine.prefill_logits([3, 7, 2, 9, 4])
+    rng = RandomDrafter(V, seed=11).rng
+
+    def draft(y, p2):
         # root's children: the target's likeliest token, a random one, its second likeliest (so rejection
         # chains through siblings), and a random grandchild under each
         likely = [int(t) for t in np.argsort(-p2)[:2]]
-        draft = [likely[0], int(drafter.rng.integers(0, V)), likely[1]] + [int(t) for t in drafter.rng.integers(0, V, 2)]
-        tree, n_real = Tree.from_draft(y, draft, [-1, -1, -1, 0, 2], n)
-        engine.state = copy.deepcopy(base)
-        verified[y] = (tree, n_real, engine.pipelines["verify"].run(tree_feed(engine.config, engine.state, tree))["logits"])
-    runs = 20_000
-    counts, drafts_accepted = sample_first_two(logits0, verified, temperature, top_p, runs)
-    assert drafts_accepted > runs // 10  # drafts really were accepted, not only bonus tokens sampled
-    expected = joint.ravel() * runs
-    assert counts.ravel()[expected == 0].sum() == 0  # never a token the plain sampler cannot produce
-    stat, pvalue, bins = chi_square_p(counts.ravel(), expected)
-    print(f"\nT={temperature} top_p={top_p}: chi-square {stat:.1f} over {bins} bins, p = {pvalue:.3f}, "
-          f"a draft accepted in {drafts_accepted / runs:.0%} of runs")
-    assert pvalue > 0.001
+        return [likely[0], int(rng.integers(0, V)), likely[1]] + [int(t) for t in rng.integers(0, V, 2)], [-1, -1, -1, 0, 2]
+    check_first_two(engine, logits0, temperature, top_p, draft)
 
 
 def test_an_export_without_a_verify_graph_still_loads_and_says_how_to_speculate(text_tied, tmp_path):

@@ -91,6 +91,14 @@ def _emit_l2n(g: GraphBuilder, x: str) -> str:
     return g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", ss, g.const(L2_EPS)))))
 
 
+def _emit_l2n_fused(g: GraphBuilder, x: str, d: int, scale: float = 1.0) -> str:
+    """scale·l2n(x) over the last axis (length d) in one RMSNormalization (opset 23, fp32 graphs):
+    l2n(x) = x / sqrt(Σx² + ε) = RMSNorm(x; ε/d)·d^-1/2."""
+    g.require_opset(23)
+    return g.op("RMSNormalization", x, g.const(np.full(d, scale / math.sqrt(d), np.float32)), axis=-1,
+                epsilon=L2_EPS / d)
+
+
 def _emit_repeat_heads(g: GraphBuilder, x: str, n: int, hk: int, r: int, d: int) -> str:
     if r == 1:
         return x
@@ -155,10 +163,7 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
         qn = g.op("Mul", _emit_l2n(g, q), g.const(1.0 / math.sqrt(dk)))
         kn = _emit_l2n(g, k)
     else:
-        g.require_opset(23)
-        unit = g.const(np.full(dk, 1.0 / math.sqrt(dk), np.float32))
-        qn = g.op("RMSNormalization", q, g.const(np.full(dk, 1.0 / dk, np.float32)), axis=-1, epsilon=L2_EPS / dk)
-        kn = g.op("RMSNormalization", k, unit, axis=-1, epsilon=L2_EPS / dk)
+        qn, kn = _emit_l2n_fused(g, q, dk, 1.0 / math.sqrt(dk)), _emit_l2n_fused(g, k, dk)
     Q = g.transpose(_emit_repeat_heads(g, qn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
     K = g.transpose(_emit_repeat_heads(g, kn, n, hk, r, dk), [1, 0, 2])  # [Hv, N, Dk]
     V = g.transpose(v, [1, 0, 2])  # [Hv, N, Dv]
@@ -219,8 +224,7 @@ def emit_gated_delta_cpu(g: GraphBuilder, qk: str, v: str, gate: str, beta: str,
     key head serves Hv/Hk value heads, each with its own state), so the key heads are repeated."""
     g.require_opset(23)
     r = hv // hk
-    unit = g.const(np.full(dk, 1.0 / math.sqrt(dk), np.float32))
-    qk = g.op("RMSNormalization", g.reshape(qk, [n, 2 * hk, dk]), unit, axis=-1, epsilon=L2_EPS / dk)
+    qk = _emit_l2n_fused(g, g.reshape(qk, [n, 2 * hk, dk]), dk)
     q, k = g.split(g.reshape(qk, [1, n, 2 * hk * dk]), [hk * dk, hk * dk], axis=-1)
     if r > 1:  # Expand broadcasts the token dim: n may be -1 (dynamic)
         q, k = (g.reshape(g.op("Expand", g.reshape(x, [n, hk, 1, dk]), g.ints([1, hk, r, dk])), [1, n, hv * dk])

@@ -7,8 +7,8 @@ on the CPU; a speculative round runs the tree-verify graph. All read and write o
 from __future__ import annotations
 
 import sys
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 from typing import Callable
@@ -44,8 +44,7 @@ class LazyPipelines(dict):
     def __init__(self, open_one: Callable[[str], Pipeline], names, eager: tuple[str, ...]):
         super().__init__()
         self._open, self._names = open_one, set(names)
-        self._opening: dict[str, threading.Thread] = {}  # prefetch: name -> the thread opening it
-        self._opened: dict[str, object] = {}             # ... and what it got (a Pipeline or the error)
+        self._opening: dict[str, Future] = {}  # prefetch: name -> its session, still being opened
         for name in eager:
             self[name] = open_one(name)
 
@@ -56,26 +55,17 @@ class LazyPipelines(dict):
         0.8B int4 one 2.4 s, inside the first reply's first round (docs/speculation.md)."""
         if name in self or name in self._opening or name not in self._names:
             return
-
-        def run():
-            try:
-                self._opened[name] = self._open(name)
-            except BaseException as e:  # kept for the lookup, which raises it where the caller is
-                self._opened[name] = e
-        # not a daemon: the interpreter waits for it at exit (exited mid-build, the process segfaulted)
-        self._opening[name] = thread = threading.Thread(target=run, name=f"open-{name}")
-        thread.start()
+        # the executor's worker is joined at exit (a process that exited mid-build segfaulted)
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"open-{name}")
+        self._opening[name] = pool.submit(self._open, name)
+        pool.shutdown(wait=False)
 
     def __missing__(self, name: str) -> Pipeline:
         if name not in self._names:
             raise KeyError(name)
-        thread = self._opening.pop(name, None)
-        if thread is not None:
-            thread.join()
-            got = self._opened.pop(name)
-            if isinstance(got, BaseException):
-                raise got
-            self[name] = got
+        opening = self._opening.pop(name, None)
+        if opening is not None:
+            self[name] = got = opening.result()
             return got
         self[name] = pipeline = self._open(name)
         return pipeline

@@ -27,7 +27,7 @@ def test_a_prefetched_graph_opens_once_in_the_background_and_its_lookup_waits_fo
     assert "verify" not in pipes  # not used yet: a test of "no verify session unless used" still holds
     gate.set()
     assert pipes["verify"] == "pipeline:verify" and pipes["verify"] == "pipeline:verify"
-    assert log == [("verify", "open-verify")]
+    assert log == [("verify", "open-verify_0")]
     assert pipes["decode"] == "pipeline:decode" and log[-1] == ("decode", threading.current_thread().name)
 
 

@@ -23,6 +23,7 @@ class PlainOps:
     state_units = True    # recurrent_scale.{i} inputs: the state and its readout in per-head units
     chain_only = False
     fp16_guards = True    # the delta rule's σ scaling and plain l2 norms (kernels/delta_rule.py)
+    state_unit_axis = False  # recurrent_state_out is [1, Hv, Dk, Dv], not [Hv, Dk, Dv]
 
     def __init__(self, g: GraphBuilder, eps: float):
         self.g, self.eps = g, eps
@@ -51,8 +52,6 @@ class PlainOps:
 
     def short_conv(self, x: str, state: str, w_kc: str, *, n: int, k: int, state_select, tree_select):
         return emit_short_conv(self.g, x, state, w_kc, n, k, state_select, tree_select)
-
-    state_unit_axis = False  # recurrent_state_out is [1, Hv, Dk, Dv], not [Hv, Dk, Dv]
 
     def state_out(self, S_after: str) -> str:
         """The delta rule's new state as the graph outputs it, after any If."""

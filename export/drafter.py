@@ -22,10 +22,12 @@ Export (`export_drafter`): two graphs over one weights file, N (tokens) and past
                    -> features [N, h]   (select the drafter's taps, optional norms, fc)
   drafter.onnx     features [N, h], input_ids [N] (target ids), rope_cos/rope_sin [N, rd],
                    attn_mask [N, past+N], past_key/past_value [nKV, past, hd], logit_rows [M]
-                   -> logits [M, Vd] (rows `logit_rows` only), hidden [N, h] (pre-final-norm x, the
-                      feature fed back), new_key/new_value [nKV, N, hd]
+                   -> logits [M, Vd], hidden [M, h] (pre-final-norm x, the feature fed back) of the
+                      rows `logit_rows` only; new_key/new_value [nKV, N, hd] of every row
 Two graphs rather than one with a switch: the fc costs as much as q/k/v and runs only on target
-features; `logit_rows` keeps a long observe from paying Vd·h per token for logits nobody reads.
+features. `logit_rows` keeps a long observe from paying for rows nobody reads: the drafter is one
+layer, so a row's K/V depends on that row alone, and attention, MLP and head run only for the rows
+asked for (an observe of 64 positions reads one: the last).
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def drafter_step_inputs(g: GraphBuilder, hidden: int, nkv: int, hd: int, rotary_
     """The step graph's inputs every drafter shares (EAGLE-3's layer and the MTP head run through the
     same runtime K/V and tree code, runtime/eagle3.py): features [n, hidden], input_ids [n], rope
     rows (unsqueezed for the heads), the additive mask [n, past + n], past K/V [nKV, past, hd] and
-    the rows whose logits are wanted [m]."""
+    the rows whose hidden and logits are wanted [m] (their K/V rows come for all n)."""
     f = g.input("features", np.float32, [N, hidden])
     ids = g.input("input_ids", np.int64, [N])
     cos = g.unsqueeze(g.input("rope_cos", np.float32, [N, rotary_dim]), [1])
@@ -393,18 +395,19 @@ class _Graphs:
         q = emit_partial_rope(g, q, cos, sin, hd, c.rotary_dim)
         k = emit_partial_rope(g, k, cos, sin, hd, c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(v, [1, 0, 2])  # [nKV, N, hd]
+        # one layer: every row's K/V depends on that row alone, so only the rows asked for go on (query_rows)
+        q, mask, resid = (g.op("Gather", t, rows, axis=0) for t in (q, mask, fn if c.norm_before_residual else f))
         attn = emit_dynamic_gqa(g, q, past_k, past_v, new_k, new_v, mask, nh=nh, nkv=nkv, hd=hd)
         o = self.linear(g, attn, a + "o_proj", [a + "o_proj.weight"])[0]
-        x = g.op("Add", o, fn if c.norm_before_residual else f)
+        x = g.op("Add", o, resid)
         m = L + "mlp."
         gate, up = self.linear(g, self.norm(g, x, L + "post_attention_layernorm.weight"), m + "gate_up",
                                [m + "gate_proj.weight", m + "up_proj.weight"])
         x = g.op("Add", x, self.linear(g, g.op("Mul", g.silu(gate), up), m + "down_proj", [m + "down_proj.weight"])[0])
         xn = self.norm(g, x, "norm.weight")
-        head_in = g.op("Gather", xn if c.final_norm else x, rows, axis=0)
-        logits = self.linear(g, head_in, "lm_head", ["lm_head.weight"])[0]
+        logits = self.linear(g, xn if c.final_norm else x, "lm_head", ["lm_head.weight"])[0]
         g.output(logits, "logits", np.float32, [M, c.draft_vocab_size])
-        g.output(xn if c.feed_back_normed else x, "hidden", np.float32, [N, h])
+        g.output(xn if c.feed_back_normed else x, "hidden", np.float32, [M, h])
         g.output(new_k, "new_key", np.float32, [nkv, N, hd])
         g.output(new_v, "new_value", np.float32, [nkv, N, hd])
         return g

@@ -15,7 +15,8 @@ serve both; runtime/mtp.py):
   mtp_in.onnx   taps [N, H] (tap.{L})  -> features [N, H]  (the target's final norm)
   mtp.onnx      features [N, H], input_ids [N], rope_cos/rope_sin [N, rd], attn_mask [N, past+N],
                 past_key/past_value [nKV, past, hd], logit_rows [M]
-                -> logits [M, V], hidden [N, H] (mtp.norm(x)), new_key/new_value [nKV, N, hd]
+                -> logits [M, V], hidden [M, H] (mtp.norm(x)) of the rows `logit_rows` only,
+                   new_key/new_value [nKV, N, hd] of every row (a row's K/V depends on it alone)
 The embedding and lm_head are the target's, copied into the drafter's weights (see the doc for
 what that costs at real size).
 """
@@ -175,6 +176,8 @@ class _Graphs:
         k = emit_partial_rope(g, self.norm(g, g.reshape(k, [-1, nkv, hd]), A + "k_norm.weight"), cos, sin, hd,
                               c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [-1, nkv, hd]), [1, 0, 2])
+        # one layer: a row's K/V depends on that row alone, so only the rows asked for go on (export/drafter.py)
+        q, gate, mask, x = (g.op("Gather", t, rows, axis=0) for t in (q, gate, mask, x))
         attn = emit_dynamic_gqa(g, q, past_k, past_v, new_k, new_v, mask, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", attn, g.op("Sigmoid", g.reshape(gate, [-1, nh * hd])))
         x = g.op("Add", x, self.linear(g, gated, A + "o_proj", [A + "o_proj.weight"])[0])
@@ -185,9 +188,9 @@ class _Graphs:
         out = self.norm(g, x, P + "norm.weight")
         src = "lm_head.weight" if "lm_head.weight" in self.ck.shapes else "embed_tokens.weight"  # tied: one copy
         head = self.w(g, self.plan.table(src, self.ck.shapes[src]))
-        logits = g.op("Gemm", g.op("Gather", out, rows, axis=0), head, transB=1)
+        logits = g.op("Gemm", out, head, transB=1)
         g.output(logits, "logits", np.float32, [M, c.vocab_size])
-        g.output(out, "hidden", np.float32, [N, H])
+        g.output(out, "hidden", np.float32, [M, H])
         g.output(new_k, "new_key", np.float32, [nkv, N, hd])
         g.output(new_v, "new_value", np.float32, [nkv, N, hd])
         return g

@@ -137,6 +137,13 @@ def test_onnx_matches_torch_with_kv(plain):
     lg, hid = ref_layer(w, ref_fc(w, taps), toks, np.arange(13), np.tril(np.ones((13, 13), bool)))
     close(out["logits"], lg[10:])
     close(out["hidden"], hid[10:])
+    # only some rows asked for: their logits and hidden, and still every row's K/V (the next calls read them)
+    part = dr._run(f, toks[10:], 10 + np.arange(3), 0, 10, vis, np.tril(np.ones((3, 3), bool)), [2, 0])
+    assert part["logits"].shape[0] == part["hidden"].shape[0] == 2
+    close(part["logits"], lg[[12, 10]])
+    close(part["hidden"], hid[[12, 10]])
+    np.testing.assert_array_equal(part["new_key"], out["new_key"])
+    np.testing.assert_array_equal(part["new_value"], out["new_value"])
 
 
 def test_window_sees_only_the_last_rows(plain):

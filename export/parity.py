@@ -167,7 +167,7 @@ def _state_diff(a: State, b: State) -> tuple[float, float, float]:
     pairs = [(a.gdn[i].conv, b.gdn[i].conv) for i in a.gdn] + [(a.gdn[i].recurrent, b.gdn[i].recurrent) for i in a.gdn]
     p = a.position
     pairs += [(a.attention[i].key[:, :p], b.attention[i].key[:, :p]) for i in a.attention]
-    pairs += [(a.attention[i].value[:, :p], b.attention[i].value[:, :p]) for i in a.attention]
+    pairs += [(a.attention[i].values(p), b.attention[i].values(p)) for i in a.attention]
     return (max(float(np.abs(x - y).max()) for x, y in pairs),
             max(float(np.abs(y).max()) for _, y in pairs),
             max(_relative(x, y) for x, y in pairs))

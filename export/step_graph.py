@@ -15,7 +15,8 @@ I/O names (stable; the manifest lists them with shapes):
        tree_mask [N, N]; conv_tree_select [K-1, N, K-1+N];
        conv_state.{i} [conv_dim, K-1]; recurrent_state.{i} [Hv, Dk, Dv] fp32, in units of
        recurrent_scale.{i} [Hv] (prefill and verify; 1 = real units; S out and commit u in them too);
-       past_key.{i} / past_value.{i} [nKV, past_len, hd]
+       past_key.{i} [nKV, past_len, hd]; past_value.{i} [nKV, hd, past_len] (transposed: the
+       decode product reads the values as its rows, kernels/attention.py)
   out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i} (as the
        state, [1, Hv, Dk, Dv] in the CPU op set's graphs: LinearAttention's own output);
        new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j; j = L:
@@ -315,7 +316,7 @@ class _Builder:
         qg, k, v = self.linear(h, a + "qkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                                c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
         past = (g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd]),
-                g.input(f"past_value.{i}", np.float32, [nkv, PAST, hd]))
+                g.input(f"past_value.{i}", np.float32, [nkv, hd, PAST]))  # transposed (kernels/attention.py)
         gated, new_k, new_v = self.per_call(lambda m: list(self._attention_core(qg, k, v, *past, a, n=m)))
         g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
         g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])

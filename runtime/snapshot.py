@@ -70,7 +70,7 @@ def _tensors(state: State, checkpoints) -> dict[str, np.ndarray]:
             out[f"checkpoint.{j}.gdn.{i}.recurrent"] = _canonical(np.asarray(checkpoint.recurrent[i], np.float32))
     for i, layer in state.attention.items():
         out[f"attention.{i}.key"] = _canonical(np.asarray(layer.key[:, :pos], np.float32))
-        out[f"attention.{i}.value"] = _canonical(np.asarray(layer.value[:, :pos], np.float32))
+        out[f"attention.{i}.value"] = _canonical(np.asarray(layer.values(pos), np.float32))  # rows, as keys
     out["tokens"] = _canonical(np.asarray(state.tokens, np.int64).reshape(-1))
     return out
 
@@ -221,8 +221,7 @@ def read_snapshot(path, cfg: ModelConfig, model_hash: str,
         layer.conv[...] = tensors[f"gdn.{i}.conv"]
         layer.recurrent[...] = tensors[f"gdn.{i}.recurrent"]
     for i, layer in state.attention.items():
-        layer.key[:, :position] = tensors[f"attention.{i}.key"]
-        layer.value[:, :position] = tensors[f"attention.{i}.value"]
+        layer.write(0, tensors[f"attention.{i}.key"], tensors[f"attention.{i}.value"])
     state.position = position
     state.tokens = [int(t) for t in tensors["tokens"]]
     checkpoints = [Checkpoint(p, {i: tensors[f"checkpoint.{j}.gdn.{i}.conv"] for i in state.gdn},

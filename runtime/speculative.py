@@ -126,7 +126,6 @@ def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list
     pos = state.position
     state.ensure_capacity(pos + len(path))
     for i, layer in state.attention.items():
-        layer.key[:, pos: pos + len(path)] = out[f"new_key.{i}"][:, idx]
-        layer.value[:, pos: pos + len(path)] = out[f"new_value.{i}"][:, idx]
+        layer.write(pos, out[f"new_key.{i}"][:, idx], out[f"new_value.{i}"][:, idx])
     state.position += len(path)
     state.tokens.extend(int(tree.tokens[j]) for j in path)

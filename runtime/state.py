@@ -2,7 +2,7 @@
 
 GDN layers carry a fixed-size state (conv window + fp32 delta-rule matrix); full-attention
 layers carry K/V rows that grow with the context. The K/V buffers are head-major
-[nKV, capacity, hd] and grow in blocks, so the graph reads them in place (no per-step copy)
+(keys [nKV, capacity, hd], values transposed [nKV, hd, capacity]) and grow in blocks, so the graph reads them in place (no per-step copy)
 and a long context costs only what it uses.
 """
 from __future__ import annotations
@@ -33,7 +33,17 @@ class GDNLayerState:
 @dataclass
 class AttentionLayerState:
     key: np.ndarray        # [nKV, capacity, hd]; rows [0, State.position) are valid
-    value: np.ndarray
+    value: np.ndarray      # [nKV, hd, capacity], transposed: columns [0, State.position) are valid
+    #                        (a decode step reads the values as its product's rows, kernels/attention.py)
+
+    def values(self, end: int) -> np.ndarray:
+        """The first `end` value rows as [nKV, end, hd] (a view)."""
+        return self.value[:, :, :end].transpose(0, 2, 1)
+
+    def write(self, pos: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Rows keys/values [nKV, n, hd] at positions pos.. (the graphs' new_key/new_value layout)."""
+        self.key[:, pos: pos + keys.shape[1]] = keys
+        self.value[:, :, pos: pos + values.shape[1]] = values.transpose(0, 2, 1)
 
 
 @dataclass
@@ -49,8 +59,9 @@ class State:
         gdn = {i: GDNLayerState(np.zeros((cfg.conv_dim, k - 1), np.float32),
                                 np.zeros((cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                           cfg.linear_value_head_dim), np.float32)) for i in cfg.linear_layers}
-        empty = np.zeros((cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
-        state = cls(gdn, {i: AttentionLayerState(empty, empty) for i in cfg.full_layers})
+        nkv, hd = cfg.num_key_value_heads, cfg.head_dim
+        state = cls(gdn, {i: AttentionLayerState(np.zeros((nkv, 0, hd), np.float32), np.zeros((nkv, hd, 0), np.float32))
+                          for i in cfg.full_layers})
         state.resize(capacity)  # allocates the one K/V arena
         return state
 
@@ -72,13 +83,14 @@ class State:
         buffers of a few MB land in the heap and stay resident after the context moves on."""
         if not self.attention:
             return
-        new_cap = max(capacity, self.position)
+        new_cap, pos = max(capacity, self.position), self.position
         first = next(iter(self.attention.values())).key
-        arena = np.zeros((len(self.attention), 2, first.shape[0], new_cap, first.shape[2]), first.dtype)
+        nkv, hd = first.shape[0], first.shape[2]
+        arena = np.zeros((len(self.attention), 2, nkv * new_cap * hd), first.dtype)
         for slot, layer in enumerate(self.attention.values()):
-            arena[slot, 0, :, : self.position] = layer.key[:, : self.position]
-            arena[slot, 1, :, : self.position] = layer.value[:, : self.position]
-            layer.key, layer.value = arena[slot, 0], arena[slot, 1]
+            key, value = arena[slot, 0].reshape(nkv, new_cap, hd), arena[slot, 1].reshape(nkv, hd, new_cap)
+            key[:, :pos], value[:, :, :pos] = layer.key[:, :pos], layer.value[:, :, :pos]
+            layer.key, layer.value = key, value
 
     def kv_bytes_in_use(self) -> int:
         return sum(2 * a.key.shape[0] * self.position * a.key.shape[2] * a.key.itemsize

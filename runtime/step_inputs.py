@@ -51,7 +51,6 @@ def commit_chain(state: State, out: dict[str, np.ndarray], ids: list[int]) -> No
         layer.conv = out[f"conv_state_out.{i}"]
         layer.recurrent = out[f"recurrent_state_out.{i}"].reshape(layer.recurrent.shape)  # the CPU graphs': [1, ...]
     for i, layer in state.attention.items():
-        layer.key[:, pos: pos + valid] = out[f"new_key.{i}"][:, :valid]
-        layer.value[:, pos: pos + valid] = out[f"new_value.{i}"][:, :valid]
+        layer.write(pos, out[f"new_key.{i}"][:, :valid], out[f"new_value.{i}"][:, :valid])
     state.position += valid
     state.tokens.extend(int(t) for t in ids)

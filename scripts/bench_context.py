@@ -32,7 +32,7 @@ def fill_context(engine, length: int, rng) -> None:
     state.ensure_capacity(length + 64)
     for layer in state.attention.values():
         layer.key[:, :length] = rng.standard_normal(layer.key[:, :length].shape, dtype=np.float32)
-        layer.value[:, :length] = rng.standard_normal(layer.value[:, :length].shape, dtype=np.float32)
+        layer.value[:, :, :length] = rng.standard_normal(layer.value[:, :, :length].shape, dtype=np.float32)
     state.position = length
     state.tokens = [0] * length
 

@@ -6,7 +6,10 @@ long chat: the reply is a chat answer, where the drafter was trained), L tokens 
 Modes: "plain"; "adaptive" (the default: runtime/spec_policy.py decides per step whether and how
 deep to draft); "always" (a round every step, the draft shape's full depth). Runs of the modes
 are interleaved, repeat by repeat, so load from other jobs on the machine hits all of them; each
-row keeps its best repeat. Every speculative output is checked against the plain greedy output
+row keeps its best repeat ("vs_plain": best against best), and also the median of its per-repeat
+ratios to the plain run just before it ("paired_vs_plain"): one 96-token reply here varies by
+±15-20% from one run to the next even on a quiet machine, so a best-of ratio of a few repeats can
+land anywhere in that band, where the median of the pairs is steadier. Every speculative output is checked against the plain greedy output
 of the same prompt: a mismatch is reported in the JSON (it would be a bug: speculation is lossless).
 
     python scripts/bench_speculative.py [--model EXPORT] [--prompts 16] [--new 128] [--threads 2]
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -87,6 +91,13 @@ def run(engine, prompts, new, mode, long_context=False):
     return row, outputs
 
 
+def paired(rates: list[float], plain: list[float]) -> dict:
+    """Each repeat's rate over the plain rate of the same repeat (measured just before it): their
+    median and all of them."""
+    ratios = [r / p for r, p in zip(rates, plain)]
+    return {"paired_vs_plain": round(statistics.median(ratios), 3), "paired_ratios": [round(x, 3) for x in ratios]}
+
+
 def machine() -> str:
     """The CPU by name (Linux: /proc/cpuinfo's model name, what lscpu prints) and its core count."""
     info = Path("/proc/cpuinfo")
@@ -129,6 +140,7 @@ def main() -> int:
                                              for kind, e in engines.items() for shape in SHAPES
                                              for mode in ("adaptive", "always")]
     best: dict = {}
+    per_repeat: dict = {}
     reference = None
     for _ in range(args.repeats):
         for name, spec, e in chat_modes:
@@ -140,10 +152,12 @@ def main() -> int:
             else:
                 row["mismatched_prompts"] = sum(a != b for a, b in zip(outputs, reference))
                 row["shape"] = e.draft_shape
+            per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
             if name not in best or row["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
                 best[name] = row
     for name, row in best.items():
         row["vs_plain"] = round(row["decode_tokens_per_s"] / best["plain"]["decode_tokens_per_s"], 2)
+        row.update(paired(per_repeat[name], per_repeat["plain"]))
     result["chat"] = {"prompts": len(prompts), "new_tokens_per_prompt": args.new, "rows": best}
     print(json.dumps(result["chat"]), file=sys.stderr, flush=True)
     # after long contexts: the embedded default draft shape (its manifest's) for the default drafter
@@ -155,6 +169,7 @@ def main() -> int:
     for ctx in args.contexts:
         prompt = (text_ids[: max(ctx - len(ask), 0)] + ask)[-ctx:]
         rows: dict = {}
+        per_repeat = {}
         reference = None
         runs = [("plain", "plain", engine, None)] + [(f"{prefix[kind]}{mode}", mode, e, kind)
                                                      for kind, e in engines.items() for mode in ("adaptive", "always")]
@@ -167,10 +182,12 @@ def main() -> int:
                 if mode != "plain":
                     row["mismatched"] = int(outputs != reference)
                     row["shape"] = e.draft_shape
+                per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
                 if name not in rows or row["decode_tokens_per_s"] > rows[name]["decode_tokens_per_s"]:
                     rows[name] = row
         for mode, row in rows.items():
             row["vs_plain"] = round(row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"], 2)
+            row.update(paired(per_repeat[mode], per_repeat["plain"]))
         result["context"].append({"context_tokens": ctx, "new_tokens": args.context_new, "rows": rows})
         print(json.dumps(result["context"][-1]), file=sys.stderr, flush=True)
     result["load_average_at_end"] = os.getloadavg()

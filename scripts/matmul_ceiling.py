@@ -96,7 +96,7 @@ def ceiling(export_dir: Path, threads: int = 2, repeats: int = 20, min_seconds: 
         model, shapes = matmul_only_model(path)
         seconds = time_model(model, shapes, threads, repeats, min_seconds)
         tokens = _rows(onnx.load(str(path), load_external_data=False).graph)[0]
-        result[part] = {"matmul_nbits_nodes": len(model.graph.node), "ms_per_step": round(seconds * 1e3, 2),
+        result[part] = {"matmul_nbits_nodes": len(model.graph.node), "ms_per_step": round(seconds * 1e3, 4),
                        "tokens_per_s": round(tokens / seconds, 1)}
     return result
 

@@ -55,7 +55,7 @@ def _empty(out):
 
 
 def _not_json(out):
-    (out / "model.json").write_text('{"format": "hybrid-npu/1", ')
+    (out / "model.json").write_text('{"format": "hybrid-npu/2", ')
 
 
 def _no_config(out):

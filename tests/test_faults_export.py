@@ -94,7 +94,7 @@ def test_a_damaged_export_is_replaced_only_with_force(ckpt, tmp_path):
     assert_one_line_error(run_cli(ckpt, out, "--chunk", 4), "damaged or older", "--force")
     ok = run_cli(ckpt, out, "--chunk", 4, "--quiet", "--no-parity", "--force")
     assert ok.returncode == 0, ok.stderr
-    assert json.loads((out / "model.json").read_text())["format"] == "hybrid-npu/1"
+    assert json.loads((out / "model.json").read_text())["format"] == "hybrid-npu/2"
 
 
 # ---- 4. kill -9 mid-export: the next export removes the leftovers (only ours) -----------------

@@ -399,9 +399,10 @@ def test_partial_rope_numpy_vs_transformers_vs_onnx():
     np.testing.assert_allclose(y[short], want[short], atol=1e-5)
 
 
-def test_gqa_attention_numpy_vs_torch_vs_onnx():
+@pytest.mark.parametrize("n", [1, 5, attention.VALUE_ROWS_MAX_N + 3])  # both forms of the values' product
+def test_gqa_attention_numpy_vs_torch_vs_onnx(n):
     r = np.random.default_rng(5)
-    n, nh, nkv, hd, past = 5, 6, 2, 8, 9
+    nh, nkv, hd, past = 6, 2, 8, 9
     q = r.standard_normal((n, nh, hd)).astype(np.float32)
     keys = r.standard_normal((nkv, past + n, hd)).astype(np.float32)
     values = r.standard_normal((nkv, past + n, hd)).astype(np.float32)
@@ -416,12 +417,12 @@ def test_gqa_attention_numpy_vs_torch_vs_onnx():
     np.testing.assert_allclose(ref, want, atol=1e-5)
     g = GraphBuilder("attn")
     qi = g.input("q", np.float32, [n, nh, hd])
-    pk, pv = g.input("pk", np.float32, [nkv, past, hd]), g.input("pv", np.float32, [nkv, past, hd])
+    pk, pv = g.input("pk", np.float32, [nkv, past, hd]), g.input("pv", np.float32, [nkv, hd, past])  # values transposed
     nk, nv = g.input("nk", np.float32, [nkv, n, hd]), g.input("nv", np.float32, [nkv, n, hd])
     mi = g.input("m", np.float32, [n, past + n])
     g.output(attention.emit_gqa_attention(g, qi, pk, pv, nk, nv, mi, n=n, nh=nh, nkv=nkv, hd=hd), "o", np.float32,
              [n, nh, hd])
-    (o,) = run_graph(g, {"q": q, "pk": keys[:, :past], "pv": values[:, :past], "nk": keys[:, past:],
+    (o,) = run_graph(g, {"q": q, "pk": keys[:, :past], "pv": values[:, :past].transpose(0, 2, 1).copy(), "nk": keys[:, past:],
                          "nv": values[:, past:], "m": mask})
     np.testing.assert_allclose(o, want, atol=1e-5)
     assert math.isfinite(float(o.sum()))

@@ -30,7 +30,7 @@ def _greedy(engine, first, steps):
 def _copy(state):
     return (state.position, list(state.tokens), state.capacity,
             {i: (g.conv.copy(), g.recurrent.copy()) for i, g in state.gdn.items()},
-            {i: (a.key.copy(), a.value.copy()) for i, a in state.attention.items()})
+            {i: (a.key.copy(), a.values(a.key.shape[1]).copy()) for i, a in state.attention.items()})  # rows
 
 
 def _assert_same_state(a, b, same_capacity=True):

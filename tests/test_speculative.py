@@ -132,8 +132,8 @@ def test_committed_state_equals_plain_decoding_of_the_accepted_tokens(text_tied,
             assert np.abs(spec.state.gdn[i].conv - plain.state.gdn[i].conv).max() <= 3e-5
         p = spec.state.position
         for i in spec.state.attention:  # K/V rows come straight from the graphs: fp32 rounding of a
-            for name in ("key", "value"):  # 32-token vs a 1-token product, relative to their scale
-                a, b = getattr(spec.state.attention[i], name)[:, :p], getattr(plain.state.attention[i], name)[:, :p]
+            s, q = spec.state.attention[i], plain.state.attention[i]  # 32-token vs a 1-token product, relative
+            for a, b in ((s.key[:, :p], q.key[:, :p]), (s.values(p), q.values(p))):  # to their scale
                 assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT = "hybrid-npu/1"               # model.json's "format"
+FORMAT = "hybrid-npu/2"               # model.json's "format" (2: past values transposed, [nKV, hd, T])
 MANIFEST = "model.json"               # the export's manifest, at its root
 STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}  # model.json "dtype": how float weights are stored
 DRAFTER_DIR = "drafter"               # an export's own drafter, beside graphs/

@@ -135,12 +135,22 @@ class Eagle3Drafter:
         return 0 if self.window is None else max(0, self.length - self.window)
 
     # ---------------------------------------------------------------- extend
-    def observe(self, tokens: list[int], features: np.ndarray) -> None:
+    def guess(self) -> int | None:
+        """The target token a draft would start with now: the argmax of the last observed row's draft
+        distribution (None before any observe)."""
+        return None if self._logits is None else int(self.draft_to_target[int(np.argmax(self._logits))])
+
+    def observe(self, tokens: list[int], features: np.ndarray, guesses: int = 0) -> list[int] | None:
         """Append pairs (taps of position t, token t+1) to the stable K/V; features [n, nT·H] are the
-        target's taps concatenated in `input_order` (fuse_taps)."""
+        target's taps concatenated in `input_order` (fuse_taps). guesses: also return, for each of
+        the last `guesses` positions, the token a draft would start with after it (what guess() would
+        have said had the observe stopped there): those rows' logits too, where an observe otherwise
+        computes the last row's only."""
         features = np.asarray(features, np.float32)
         if len(tokens) == 0:
-            return
+            return [] if guesses else None
+        found: list[int] = []
+        first_guessed = len(tokens) - min(guesses, len(tokens))
         if features.shape != (len(tokens), self.tap_width):
             raise ValueError(f"observe: features {features.shape}, expected ({len(tokens)}, {self.tap_width})")
         f = self.fc.run(None, {"taps": features})[0]
@@ -150,12 +160,17 @@ class Eagle3Drafter:
             lo = self._first_row()  # a chunk's queries share one window start (chunks are short)
             visible = np.ones((n, self.length - lo), bool)
             causal = np.tril(np.ones((n, n), bool))
-            out = self._run(f[s: s + n], ids, self.length + np.arange(n), lo, self.length, visible, causal, [n - 1])
+            rows = np.arange(min(max(first_guessed - s, 0), n - 1), n) if guesses else [n - 1]
+            out = self._run(f[s: s + n], ids, self.length + np.arange(n), lo, self.length, visible, causal, rows)
             self.key[:, self.length: self.length + n] = out["new_key"]
             self.value[:, self.length: self.length + n] = out["new_value"]
             self.length += n
-            self._hidden, self._logits = out["hidden"][-1], out["logits"][0]
+            self._hidden, self._logits = out["hidden"][-1], out["logits"][-1]
+            if guesses:
+                guessed = out["logits"][rows + s >= first_guessed]
+                found += [int(t) for t in self.draft_to_target[np.argmax(guessed, axis=-1)]]
         self._last_token = int(tokens[-1])
+        return found if guesses else None
 
     # ---------------------------------------------------------------- tree
     def propose(self, root_token: int, top_k: int, depth: int, total_tokens: int) -> tuple[list[int], list[int]]:

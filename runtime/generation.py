@@ -70,13 +70,15 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                 emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]
+                if policy is not None and policy.guessing and len(engine._drafter_lag) >= policy.guess_every:
+                    catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
             else:
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
             new.extend(emitted)  # in the context now, whether or not the caller takes them all
             yield from emitted
     finally:
         if speculative:
-            catch_up_drafter(engine)  # the next turn's prefill continues the drafter from new[-1]
+            catch_up_drafter(engine, policy)  # the next turn's prefill continues the drafter from new[-1]
         t_decode = time.perf_counter() - t1
         engine._pending = new[-1:]
         engine.last_stats = {
@@ -114,6 +116,7 @@ def policy_for(engine) -> SpecPolicy:
     if policy is None or engine._policy_shape != shape or engine._policy_maker is not engine.make_policy:
         engine._policy, engine._policy_maker = engine.make_policy(engine), engine.make_policy
         engine._policy_shape = shape
+    engine._policy.guessing = callable(getattr(engine.drafter, "guess", None))  # the drafter may be swapped
     return engine._policy
 
 
@@ -124,7 +127,8 @@ def round_fits(engine) -> bool:
 
 def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) -> int:
     """One decode step inside a speculative generation: the drafter is shown it later, in one call
-    before the next round (catch_up_drafter), not one call per plain token."""
+    before the next round or every `guess_every` plain steps (catch_up_drafter), not one call per
+    plain token."""
     t0 = time.perf_counter()
     nxt = sampler.choose(engine._step("decode", [token]))
     if policy is not None:
@@ -134,10 +138,26 @@ def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) 
     return nxt
 
 
-def catch_up_drafter(engine) -> None:
-    if engine._drafter_lag:
-        lag, engine._drafter_lag = engine._drafter_lag, []
-        engine.drafter.observe([t for t, _ in lag], np.stack([f for _, f in lag]))
+def catch_up_drafter(engine, policy: SpecPolicy | None = None) -> None:
+    """Show the drafter, in one call, the tokens decoded plainly since it last saw one. Given a
+    guessing policy, its first guess before each of the last `guesses_per_catch_up` of them is
+    scored against the target's token (SpecPolicy.record_guesses); each guess is a row of draft
+    logits, so the older ones are not computed (the evidence decays guess by guess and would keep
+    ~8 of them)."""
+    if not engine._drafter_lag:
+        return
+    lag, engine._drafter_lag = engine._drafter_lag, []
+    tokens, features = [t for t, _ in lag], np.stack([f for _, f in lag])
+    if policy is None or not policy.guessing:
+        engine.drafter.observe(tokens, features)
+        return
+    n = len(tokens)
+    k = min(policy.guesses_per_catch_up, n)  # guesses to score (the evidence keeps ~8 guesses' weight)
+    first = engine.drafter.guess() if k == n else None  # the guess it held before tokens[0]
+    later = engine.drafter.observe(tokens, features, guesses=k if first is not None else k + 1)
+    before = ([first] if first is not None else []) + later[:-1]  # the guesses before tokens[-len(before):]
+    if before:
+        policy.record_guesses([g == t for g, t in zip(before, tokens[len(tokens) - len(before):])])
 
 
 def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: Sampler, depth: int | None = None,
@@ -148,7 +168,7 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     depth = engine.draft_shape["depth"] if depth is None else depth
     device, n = verify = engine.verify_graph(depth)  # the NPU's static graph while it fits T_max
     tc = time.perf_counter()
-    catch_up_drafter(engine)
+    catch_up_drafter(engine, policy)
     t0 = time.perf_counter()
     draft_tokens, draft_parents = engine.drafter.propose(root, **dict(engine.draft_shape, depth=depth))
     tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)

@@ -35,8 +35,16 @@ measurement is not yet to be trusted). The output never depends on these choices
 step and a verified round both emit the target's own tokens (greedy) or its own distribution
 (sampled, each decided before the step from the past only).
 
-The policy sees only numbers it is given (record_plain, record_round), never a clock, so its
-decisions are deterministic given the costs (tests feed fake ones).
+A drafter that can score its guesses (runtime/eagle3.py: its first-level guess before each token
+the target decoded plainly, computed in the catch-up observe it makes anyway) gives acceptance
+evidence without any round (record_guesses): while guesses come, plain decoding runs no probes,
+and at a far context a reply starts plainly, measuring rounds only if the guesses, at the last
+context's costs relative to a decode step, say a round would pay. Measured on the embedded pair
+after 1.5k-12k tokens, where its drafter accepts 1-2 tokens a round: two measuring rounds and the
+probes had cost 4-10% of a 96-token reply (docs/speculation.md).
+
+The policy sees only numbers it is given (record_plain, record_round, record_guesses), never a
+clock, so its decisions are deterministic given the costs (tests feed fake ones).
 """
 from __future__ import annotations
 
@@ -60,6 +68,10 @@ class SpecPolicy:
     refresh_every: int = 16
     margin: float = 1.0                   # speculate when its rate beats plain by this factor
     hysteresis: float = 0.2               # ... and by (1 + this) more to switch from plain decoding
+    guessing: bool = False                # the drafter scores its guesses (record_guesses; set by the engine)
+    guess_every: int = 32                 # plain steps between the drafter's guesses being scored (each a drafter call:
+    #                                       ~1.5 ms on the embedded pair, whatever the count)
+    guesses_per_catch_up: int = 8         # the last this many of them scored (keep^8 = 0.34: older ones weigh little)
     # the last measurements of each cost
     _decode: deque = field(default_factory=deque)
     _draft_level: deque = field(default_factory=deque)
@@ -78,6 +90,11 @@ class SpecPolicy:
     _context: int | None = None                   # context length the costs were measured at
     _medians: dict = field(default_factory=dict)  # id(a cost's deque) -> its median, until it changes
     _best: tuple | None = None                    # (what best_depth read, its answer)
+    _prior: tuple | None = None                   # the last context's costs over its decode step: (draft
+    #                                               level, {verify key: fixed}), until this one's are measured
+    _guessed: bool = False                        # guesses scored since the last round
+    _graphs: tuple | None = None                  # inside choose(): each depth's verify graph
+    _await_guesses: bool = False                  # at a far context: plain steps until the guesses judge rounds
 
     def __post_init__(self):
         if self.max_depth < 1:
@@ -122,16 +139,32 @@ class SpecPolicy:
         return depth + 1.0 if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
 
     def _nodes(self, depth: int) -> int:
+        if self._graphs is not None:
+            return self._graphs[depth - 1]
         return self.verify_nodes(depth) if callable(self.verify_nodes) else 0
 
+    def _costs(self) -> tuple | None:
+        """(draft cost per level, {verify key: fixed cost}) measured at this context; before they are,
+        the last context's relative to its decode step times this one's (a round's cost tracks the
+        decode step's as the context grows: 3.0 and 3.4 decode steps at 24 and 1.5k tokens on the
+        embedded pair); None while neither is known."""
+        if self.draft_level_s is not None and self._fixed:
+            return self.draft_level_s, self.fixed_s
+        if self.guessing and self._prior is not None and self.decode_s is not None:  # guesses judge them
+            draft, fixed = self._prior
+            return draft * self.decode_s, {k: r * self.decode_s for k, r in fixed.items()}
+        return None
+
     def round_cost(self, depth: int) -> float | None:
-        if self.draft_level_s is None or not self._fixed:
+        costs = self._costs()
+        if costs is None:
             return None
+        draft_level_s, fixed_all = costs
         key = self._nodes(depth)
         # only the graph of the device this round verifies on: the NPU's static verify and the CPU's
         # sized one cost different things (past the NPU's T_max rounds move to the CPU; judged by
         # the NPU's costs, the CPU's rounds were never tried: docs/speculation.md)
-        fixed_s = {k: v for k, v in self.fixed_s.items() if _device(k) == _device(key)}
+        fixed_s = {k: v for k, v in fixed_all.items() if _device(k) == _device(key)}
         if not fixed_s:
             return None
         # a verify size costs at most what any larger measured size costs (a larger graph does more
@@ -141,7 +174,7 @@ class SpecPolicy:
         # for a whole reply. Above every measured size: the largest one.
         above = [v for k, v in fixed_s.items() if _size(k) >= _size(key)]
         fixed = min(above) if above else fixed_s[max(fixed_s, key=_size)]
-        return fixed + depth * self.draft_level_s
+        return fixed + depth * draft_level_s
 
     def best_depth(self) -> tuple[int, float]:
         """(depth, tokens per second) of the best round by the estimates; (0, 0) if unknown. Kept
@@ -157,8 +190,9 @@ class SpecPolicy:
         """What best_depth reads: the round costs' medians (None where one changed since), the
         acceptance evidence, each depth's verify graph."""
         medians = tuple(self._medians.get(id(seen)) for seen in (self._draft_level, *self._fixed.values()))
+        scaled = self._prior is not None and not self._fixed  # the prior's costs move with the decode step's
         return (medians if None not in medians else object(), tuple(self._fixed), self.successes, self.failures,
-                tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
+                tuple(self._nodes(d) for d in range(1, self.max_depth + 1)), scaled and self.decode_s)
 
     def _best_depth(self) -> tuple[int, float]:
         best = (0, 0.0)
@@ -191,9 +225,17 @@ class SpecPolicy:
         """A generation starts at a context of `tokens`. Costs measured at a context far from it (a
         new reply after a long document, or a fresh short chat after one) are dropped and measured
         again: a decode step and a verify grow with the context, and carried over they kept rounds
-        going where plain decoding won (measured in scripts/bench_speculative.py's sweep). The
-        acceptance evidence stays: it decays round by round."""
+        going where plain decoding won (measured in scripts/bench_speculative.py's sweep). What they
+        were relative to the decode step stays as a prior (_costs) until they are; with a guessing
+        drafter the reply then starts plainly and the drafter's guesses decide whether rounds are
+        worth measuring at all. The acceptance evidence stays: it decays round by round."""
         if self._context is not None and abs(tokens - self._context) > max(512, self._context // 2):
+            if self.decode_s is not None and self.draft_level_s is not None and self._fixed:
+                self._prior = (self.draft_level_s / self.decode_s, {k: v / self.decode_s for k, v in self.fixed_s.items()})
+            # with a guessing drafter, plain steps first: a reply after a long document paid two
+            # measuring rounds where its drafter accepted 1-2 tokens a round (docs/speculation.md)
+            self._await_guesses = self.guessing and self._prior is not None
+            self._plain_run = 0
             self._decode.clear()
             self._draft_level.clear()
             self._fixed.clear()
@@ -207,7 +249,14 @@ class SpecPolicy:
     # ------------------------------------------------------------ decisions
     def choose(self) -> int:
         """Depth of the next step's draft; 0 = a plain decode step."""
-        d = self._choose()
+        # each depth's verify graph, asked once for the whole decision (it was asked ~18 times a step:
+        # ~40 of a policy's ~60 µs a step on the embedded pair)
+        self._graphs = None
+        self._graphs = tuple(self._nodes(d) for d in range(1, self.max_depth + 1))
+        try:
+            d = self._choose()
+        finally:
+            self._graphs = None
         self.decisions.append(d)
         return d
 
@@ -232,8 +281,11 @@ class SpecPolicy:
         return max(1, min(self.max_depth, int(math.log(0.5) / math.log(a))))
 
     def _choose(self) -> int:
-        if self.draft_level_s is None:  # measure a round (the second of a run is the one kept)
-            return self.measuring_depth()
+        if self._await_guesses and self._plain_run < 2 * self.guess_every:  # (no guesses came: measure)
+            return 0
+        self._await_guesses = False
+        if self._costs() is None and not (self.guessing and self._prior is not None):
+            return self.measuring_depth()  # measure a round (the second of a run is the one kept)
         if self.decode_s is None or self._refreshing:  # ... then a plain step, likewise
             self._refreshing = self._refreshing and self._last != "plain"
             return 0
@@ -248,7 +300,9 @@ class SpecPolicy:
                 self._refreshing = True
                 return 0
             return depth
-        if self._plain_run >= self._probe_interval and self._plain_run >= self.budget_interval():
+        waited = not self.guessing or self._plain_run >= 2 * self.guess_every  # for guesses that never came
+        if not self._guessed and waited and self._plain_run >= self._probe_interval and \
+                self._plain_run >= self.budget_interval():
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
             self._probe_depth = self.best_depth()[0] or self.measuring_depth()
             return self._probe_depth
@@ -261,6 +315,18 @@ class SpecPolicy:
         self._plain_run += 1
         self._spec_run = 0
 
+    def record_guesses(self, hits) -> None:
+        """The drafter's first guesses before tokens the target decoded plainly, each a hit or not:
+        what a depth-1 draft would have had accepted (greedy: the target's own token; sampled, a hit
+        has exactly a one-token chain's acceptance probability, p(guess)). Each counts as a depth-1
+        round would, so a few rounds' deeper evidence is not drowned by many guesses; while they come,
+        plain decoding needs no probes (plan() reads them every step)."""
+        for hit in hits:
+            self.successes = self.keep * self.successes + bool(hit)
+            self.failures = self.keep * self.failures + (not hit)
+        if len(hits):
+            self._guessed, self._await_guesses = True, False
+
     def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float, verify=None) -> None:
         """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
         (verify, commit, drafter observe); verify: the graph it ran (verify_nodes' answer before the
@@ -269,7 +335,7 @@ class SpecPolicy:
             self._add(self._draft_level, draft_s / max(depth, 1))
             key = self._nodes(depth) if verify is None else verify
             self._add(self._fixed.setdefault(key, deque()), rest_s)
-        self._last = "round"
+        self._last, self._guessed = "round", False
         self.successes = self.keep * self.successes + min(accepted, depth)
         self.failures = self.keep * self.failures + (accepted < depth)
         self._spec_run += 1

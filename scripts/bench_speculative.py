@@ -7,7 +7,8 @@ Modes: "plain"; "adaptive" (the default: runtime/spec_policy.py decides per step
 deep to draft); "always" (a round every step, the draft shape's full depth). Runs of the modes
 are interleaved, repeat by repeat, so load from other jobs on the machine hits all of them; each
 row keeps its best repeat ("vs_plain": best against best), and also the median of its per-repeat
-ratios to the plain run just before it ("paired_vs_plain"): one 96-token reply here varies by
+ratios to the plain run of the same repeat ("paired_vs_plain"; each repeat turns the
+order of the modes by one): one 96-token reply here varies by
 ±15-20% from one run to the next even on a quiet machine, so a best-of ratio of a few repeats can
 land anywhere in that band, where the median of the pairs is steadier. Every speculative output is checked against the plain greedy output
 of the same prompt: a mismatch is reported in the JSON (it would be a bug: speculation is lossless).
@@ -91,6 +92,15 @@ def run(engine, prompts, new, mode, long_context=False):
     return row, outputs
 
 
+def rotated(modes: list, r: int) -> list:
+    """Repeat r's order of the modes: the list turned by r, so that no mode always runs in the same
+    slot (measured: two identical plain runs back to back, 8 repeats, paired median 0.96; the run
+    just after a plain one was slower whatever it was). Repeat 0 keeps plain first: its output is
+    the reference the speculative ones are checked against."""
+    k = r % len(modes)
+    return modes[k:] + modes[:k]
+
+
 def paired(rates: list[float], plain: list[float]) -> dict:
     """Each repeat's rate over the plain rate of the same repeat (measured just before it): their
     median and all of them."""
@@ -142,8 +152,8 @@ def main() -> int:
     best: dict = {}
     per_repeat: dict = {}
     reference = None
-    for _ in range(args.repeats):
-        for name, spec, e in chat_modes:
+    for r in range(args.repeats):
+        for name, spec, e in rotated(chat_modes, r):
             if spec:
                 set_mode(e, spec[1], SHAPES[spec[0]])
             row, outputs = run(e, prompts, args.new, "plain" if spec is None else spec[1])
@@ -173,8 +183,8 @@ def main() -> int:
         reference = None
         runs = [("plain", "plain", engine, None)] + [(f"{prefix[kind]}{mode}", mode, e, kind)
                                                      for kind, e in engines.items() for mode in ("adaptive", "always")]
-        for _ in range(args.repeats):
-            for name, mode, e, kind in runs:
+        for r in range(args.repeats):
+            for name, mode, e, kind in rotated(runs, r):
                 if mode != "plain":
                     set_mode(e, mode, shapes[kind])
                 row, outputs = run(e, [prompt], args.context_new, mode, long_context=True)

@@ -146,6 +146,27 @@ def test_onnx_matches_torch_with_kv(plain):
     np.testing.assert_array_equal(part["new_value"], out["new_value"])
 
 
+def test_guesses_are_the_guess_after_each_of_the_last_positions(plain):
+    """observe(..., guesses=k) over a call longer than one observe chunk: the last k positions' guesses
+    equal guess() after observing one position at a time, and the K/V and draft state are as without."""
+    from hybrid_npu.runtime.eagle3 import OBSERVE_CHUNK
+    _, outs = plain
+    n, k = OBSERVE_CHUNK + 6, 10  # the guessed rows straddle the chunk boundary
+    taps, toks = taps_and_tokens(n, seed=8)
+    a, b = Eagle3Drafter(outs["eagle3"]), Eagle3Drafter(outs["eagle3"])
+    got = a.observe(toks, taps, guesses=k)
+    want = []
+    for j in range(n):
+        b.observe(toks[j: j + 1], taps[j: j + 1])
+        want.append(b.guess())
+    assert got == want[-k:]
+    c = Eagle3Drafter(outs["eagle3"])
+    assert c.observe(toks, taps) is None
+    np.testing.assert_array_equal(a.key[:, :n], c.key[:, :n])
+    close(a._logits, c._logits, 1e-6)
+    assert a.guess() == c.guess() == want[-1]
+
+
 def test_window_sees_only_the_last_rows(plain):
     """A drafter with a window of W stable rows = the reference whose query at position t sees
     rows [t - W, t] only (observe one token at a time, then a chain proposal); a window longer

@@ -218,6 +218,90 @@ def test_costs_are_measured_again_at_a_far_context():
     assert p.decode_s == pytest.approx(20 * MS)
 
 
+def test_guesses_are_acceptance_evidence_and_replace_the_probes():
+    """A guessing drafter's scored guesses move the acceptance estimate like depth-1 rounds, and while
+    they come a policy decoding plainly runs no probe rounds; guesses that say a round pays bring
+    speculation back without one."""
+    p = SpecPolicy(6, guessing=True, probe_budget=0)
+    dec = drive(p, 6, 10 * MS, 1 * MS, 30 * MS, lambda d, k: min(d, 1))  # rounds that do not pay, then plain
+    assert dec[:2] != [0, 0] and dec[-1] == 0
+    before = p.acceptance()
+    for _ in range(12):  # 192 plain steps, guesses every 16, none right: no probe at 8, 16, 32, 64, ...
+        dec = drive(p, 16, 10 * MS, 1 * MS, 30 * MS, lambda d, k: 0)
+        p.record_guesses([False] * 16)
+    assert not any(list(p.decisions)[6:]) and p.acceptance() < before
+    # each guess decays the evidence as one round does (keep = 0.875): 16 hits after many misses
+    weight = sum(0.875 ** i for i in range(16))
+    n_before = p.successes + p.failures
+    p.record_guesses([True] * 16)
+    assert p.successes + p.failures == pytest.approx(0.875 ** 16 * n_before + weight)
+    assert p.acceptance() == pytest.approx((0.875 ** 16 * 0 + weight) / (0.875 ** 16 * n_before + weight), abs=0.01)
+    start = len(p.decisions)
+    drive(p, 4, 10 * MS, 1 * MS, 30 * MS, lambda d, k: d)
+    assert any(list(p.decisions)[start:])  # speculating again, no probe needed
+
+
+def test_a_far_context_starts_plainly_and_asks_the_guesses():
+    """At a far context a guessing policy decodes plainly (no measuring rounds) until guesses come;
+    guesses that say rounds lose keep it plain at the last context's relative costs, guesses that say
+    they pay start rounds straight away. Without guesses it measures as before (the test above it)."""
+    def warmed(accept):
+        p = SpecPolicy(6, guessing=True, refresh_every=16)
+        p.note_context(24)
+        drive(p, 40, 10 * MS, 1 * MS, 15 * MS, accept)
+        p.note_context(6000)
+        assert p.decode_s is None and not p.fixed_s and p.round_cost(6) is None
+        return p
+    for hits, want_rounds in ((False, False), (True, True)):
+        p = warmed(lambda d, k: d)
+        start = len(p.decisions)
+        drive(p, 16, 20 * MS, 2 * MS, 30 * MS, lambda d, k: d)  # the reply's first 16 steps
+        assert not any(list(p.decisions)[start:])  # plain, waiting for the guesses
+        assert p.round_cost(6) == pytest.approx((15 + 6) / 10 * 20 * MS)  # the prior, at this decode step
+        p.record_guesses([hits] * 16)
+        drive(p, 16, 20 * MS, 2 * MS, 30 * MS, lambda d, k: d)
+        assert any(list(p.decisions)[start + 16:]) == want_rounds
+    p = SpecPolicy(6, guessing=True)  # no prior (a first reply): measuring rounds, as without guesses
+    p.note_context(6000)
+    assert drive(p, 2, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)[:2] == [1, 1]
+
+
+def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
+    """The guesses the catch-up scores are the drafter's own: one position at a time, guess() before
+    each token, on a second drafter fed the same pairs."""
+    engine = hybrid_npu.load(eagle3_export)
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, 20)]
+    scored = []
+
+    class Plain(Scripted):
+        def record_guesses(self, hits):
+            scored.extend(hits)
+            super().record_guesses(hits)
+
+    engine.make_policy = lambda e: Plain([0])
+    pairs = []
+    real_observe = engine.drafter.observe
+
+    def observe(tokens, features, guesses=False):
+        pairs.append((list(tokens), np.array(features), guesses))
+        return real_observe(tokens, features, guesses)
+
+    engine.drafter.observe = observe
+    out = engine.generate(prompt, 40, stop_at_eos=False)
+    assert out == hybrid_npu.load(eagle3_export).generate(prompt, 40, stop_at_eos=False, speculative=False)
+    k = generation.policy_for(engine).guesses_per_catch_up
+    # 39 plain tokens: a catch-up at 32 (its last k scored) and one at the end (7, all scored)
+    assert [len(t) for t, _, g in pairs if g] == [32, 7] and len(scored) == k + 7
+    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+    ref, hits = Eagle3Drafter(eagle3_export / "drafter"), []
+    for tokens, features, guessed in pairs:
+        for j, (t, f) in enumerate(zip(tokens, features)):
+            if guessed and j >= len(tokens) - k:
+                hits.append(ref.guess() == t)
+            ref.observe([t], f[None])
+    assert hits == scored
+
+
 # ------------------------------------------------------------------------ the engine, switching
 class Scripted(SpecPolicy):
     """Decisions from a fixed cycle (plain steps and rounds of several depths), whatever is measured."""

@@ -70,7 +70,7 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                 emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]
-                if policy is not None and policy.guessing and len(engine._drafter_lag) >= policy.guess_every:
+                if policy is not None and policy.guessing and len(engine._drafter_lag) >= policy.guess_interval:
                     catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
             else:
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
@@ -127,8 +127,8 @@ def round_fits(engine) -> bool:
 
 def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) -> int:
     """One decode step inside a speculative generation: the drafter is shown it later, in one call
-    before the next round or every `guess_every` plain steps (catch_up_drafter), not one call per
-    plain token."""
+    before the next round or when the policy's guesses are due (catch_up_drafter), not one call
+    per plain token."""
     t0 = time.perf_counter()
     nxt = sampler.choose(engine._step("decode", [token]))
     if policy is not None:

@@ -37,7 +37,8 @@ step and a verified round both emit the target's own tokens (greedy) or its own 
 
 A drafter that can score its guesses (runtime/eagle3.py: its first-level guess before each token
 the target decoded plainly, computed in the catch-up observe it makes anyway) gives acceptance
-evidence without any round (record_guesses): while guesses come, plain decoding runs no probes,
+evidence without any round (record_guesses; asked every guess_every plain steps, less often while
+they say plain): while guesses come, plain decoding runs no probes,
 and at a far context a reply starts plainly, measuring rounds only if the guesses, at the last
 context's costs relative to a decode step, say a round would pay. Measured on the embedded pair
 after 1.5k-12k tokens, where its drafter accepts 1-2 tokens a round: two measuring rounds and the
@@ -72,6 +73,7 @@ class SpecPolicy:
     guess_every: int = 32                 # plain steps between the drafter's guesses being scored (each a drafter call:
     #                                       ~1.5 ms on the embedded pair, whatever the count)
     guesses_per_catch_up: int = 8         # the last this many of them scored (keep^8 = 0.34: older ones weigh little)
+    max_guess_every: int = 256            # ... the interval doubling up to this while the guesses say plain
     # the last measurements of each cost
     _decode: deque = field(default_factory=deque)
     _draft_level: deque = field(default_factory=deque)
@@ -94,12 +96,14 @@ class SpecPolicy:
     #                                               level, {verify key: fixed}), until this one's are measured
     _guessed: bool = False                        # guesses scored since the last round
     _graphs: tuple | None = None                  # inside choose(): each depth's verify graph
+    guess_interval: int = 0                       # plain steps until the next guesses are due
     _await_guesses: bool = False                  # at a far context: plain steps until the guesses judge rounds
 
     def __post_init__(self):
         if self.max_depth < 1:
             raise ValueError("max_depth must be at least 1")
         self._probe_interval = self.probe_every
+        self.guess_interval = self.guess_every
 
     # ------------------------------------------------------------ estimates
     def _add(self, seen: deque, seconds: float) -> None:
@@ -326,6 +330,10 @@ class SpecPolicy:
             self.failures = self.keep * self.failures + (not hit)
         if len(hits):
             self._guessed, self._await_guesses = True, False
+            # while they keep saying plain, ask less often (each ask is a drafter call: a 500-token
+            # plain reply asked 15 times at 32, 4 times doubling)
+            wins = self.plan() > 0
+            self.guess_interval = self.guess_every if wins else min(2 * self.guess_interval, self.max_guess_every)
 
     def record_round(self, depth: int, accepted: int, draft_s: float, rest_s: float, verify=None) -> None:
         """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
@@ -335,7 +343,7 @@ class SpecPolicy:
             self._add(self._draft_level, draft_s / max(depth, 1))
             key = self._nodes(depth) if verify is None else verify
             self._add(self._fixed.setdefault(key, deque()), rest_s)
-        self._last, self._guessed = "round", False
+        self._last, self._guessed, self.guess_interval = "round", False, self.guess_every
         self.successes = self.keep * self.successes + min(accepted, depth)
         self.failures = self.keep * self.failures + (accepted < depth)
         self._spec_run += 1

@@ -230,6 +230,7 @@ def test_guesses_are_acceptance_evidence_and_replace_the_probes():
         dec = drive(p, 16, 10 * MS, 1 * MS, 30 * MS, lambda d, k: 0)
         p.record_guesses([False] * 16)
     assert not any(list(p.decisions)[6:]) and p.acceptance() < before
+    assert p.guess_interval == p.max_guess_every  # asked less often while the guesses say plain: 32, 64, ... 256
     # each guess decays the evidence as one round does (keep = 0.875): 16 hits after many misses
     weight = sum(0.875 ** i for i in range(16))
     n_before = p.successes + p.failures
@@ -237,6 +238,7 @@ def test_guesses_are_acceptance_evidence_and_replace_the_probes():
     assert p.successes + p.failures == pytest.approx(0.875 ** 16 * n_before + weight)
     assert p.acceptance() == pytest.approx((0.875 ** 16 * 0 + weight) / (0.875 ** 16 * n_before + weight), abs=0.01)
     start = len(p.decisions)
+    assert p.guess_interval == p.guess_every  # guesses that say rounds pay: asked at the base interval
     drive(p, 4, 10 * MS, 1 * MS, 30 * MS, lambda d, k: d)
     assert any(list(p.decisions)[start:])  # speculating again, no probe needed
 

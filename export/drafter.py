@@ -395,7 +395,7 @@ class _Graphs:
         q = emit_partial_rope(g, q, cos, sin, hd, c.rotary_dim)
         k = emit_partial_rope(g, k, cos, sin, hd, c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(v, [1, 0, 2])  # [nKV, N, hd]
-        # one layer: every row's K/V depends on that row alone, so only the rows asked for go on (query_rows)
+        # one layer: every row's K/V depends on that row alone, so only the rows asked for go on (logit_rows)
         q, mask, resid = (g.op("Gather", t, rows, axis=0) for t in (q, mask, fn if c.norm_before_residual else f))
         attn = emit_dynamic_gqa(g, q, past_k, past_v, new_k, new_v, mask, nh=nh, nkv=nkv, hd=hd)
         o = self.linear(g, attn, a + "o_proj", [a + "o_proj.weight"])[0]

@@ -157,7 +157,7 @@ def catch_up_drafter(engine, policy: SpecPolicy | None = None) -> None:
     later = engine.drafter.observe(tokens, features, guesses=k if first is not None else k + 1)
     before = ([first] if first is not None else []) + later[:-1]  # the guesses before tokens[-len(before):]
     if before:
-        policy.record_guesses([g == t for g, t in zip(before, tokens[len(tokens) - len(before):])])
+        policy.record_guesses([g == t for g, t in zip(before, tokens[n - len(before):])])
 
 
 def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: Sampler, depth: int | None = None,

@@ -255,8 +255,7 @@ class SpecPolicy:
         """Depth of the next step's draft; 0 = a plain decode step."""
         # each depth's verify graph, asked once for the whole decision (it was asked ~18 times a step:
         # ~40 of a policy's ~60 µs a step on the embedded pair)
-        self._graphs = None
-        self._graphs = tuple(self._nodes(d) for d in range(1, self.max_depth + 1))
+        self._graphs = tuple(self._nodes(d) for d in range(1, self.max_depth + 1))  # (None between calls)
         try:
             d = self._choose()
         finally:

@@ -1,9 +1,9 @@
 """The conversation state as a typed object: named per-layer arrays, never a loose tensor list.
 
 GDN layers carry a fixed-size state (conv window + fp32 delta-rule matrix); full-attention
-layers carry K/V rows that grow with the context. The K/V buffers are head-major
-(keys [nKV, capacity, hd], values transposed [nKV, hd, capacity]) and grow in blocks, so the graph reads them in place (no per-step copy)
-and a long context costs only what it uses.
+layers carry K/V rows that grow with the context. The K/V buffers are head-major (keys
+[nKV, capacity, hd], values transposed [nKV, hd, capacity]) and grow in blocks, so the graph reads
+them in place (no per-step copy) and a long context costs only what it uses.
 """
 from __future__ import annotations
 

@@ -95,13 +95,13 @@ class CpuOps(PlainOps):
     state_unit_axis = True
 
     def gated_norm(self, o: str, z: str, weight: str, *, rows, hv: int, dv: int, unit: str | None) -> str:
-        return emit_gated_rmsnorm_cpu(self.g, o, z, weight, self.eps)  # o already [rows, Hv·Dv]
+        return emit_gated_rmsnorm_cpu(self.g, o, z, weight, self.eps, dv)  # o already [rows, Hv·Dv]
 
     def short_conv(self, x: str, state: str, w_kc: str, *, n: int, k: int, state_select, tree_select):
         if n == 1:  # one token: the op's own new state (the shifted window)
             return emit_short_conv_step_cpu(self.g, x, state, w_kc)
         # a chunk may end in padding, so the new state is picked among the valid tokens
-        return emit_short_conv_cpu(self.g, x, state, w_kc, state_select)
+        return emit_short_conv_cpu(self.g, x, state, w_kc, state_select, k)
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
                    unit: str | None):
@@ -120,7 +120,7 @@ class CpuTreeOps(PlainOps):
     norm1p, add_norm1p, softplus = CpuOps.norm1p, CpuOps.add_norm1p, CpuOps.softplus
 
     def gated_norm(self, o: str, z: str, weight: str, *, rows, hv: int, dv: int, unit: str | None) -> str:
-        return emit_gated_rmsnorm_cpu(self.g, self.g.reshape(o, [rows, hv * dv]), z, weight, self.eps)
+        return emit_gated_rmsnorm_cpu(self.g, self.g.reshape(o, [rows, hv * dv]), z, weight, self.eps, dv)
 
 
 OP_SETS = {"plain": PlainOps, "npu": NpuOps, "cpu": CpuOps, "cpu_tree": CpuTreeOps}

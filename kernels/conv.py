@@ -102,8 +102,9 @@ def emit_short_conv(g: GraphBuilder, x: str, state: str, w_kc: str, n: int, k: i
 
 
 def emit_short_conv_step_cpu(g: GraphBuilder, x: str, state: str, w_kc: str):
-    """One token (decode) through ONNX Runtime's CPU kernel CausalConvWithState, SiLU fused: one
-    node where the plain form takes ~17. x [1, C], state [C, K-1], w_kc [K, C]; returns
+    """One token (decode) through ONNX Runtime's CPU kernel CausalConvWithState, SiLU fused: the
+    fastest form measured for one token (18 layers at Qwen3.5-0.8B shapes: 1.18 ms, against 1.30 for
+    Concat·w + ReduceSum and 3.3 for the plain slices; docs/cpu-speed.md). x [1, C], state [C, K-1], w_kc [K, C]; returns
     (y [1, C], new state [C, K-1]) as emit_short_conv does."""
     w = g.unsqueeze(g.transpose(w_kc, [1, 0]), [1])  # [C, 1, K]: constant, folded at load
     y, new_state = g.op("CausalConvWithState", g.reshape(x, [1, -1, 1]), w, "", g.unsqueeze(state, [0]), n_out=2,
@@ -111,16 +112,21 @@ def emit_short_conv_step_cpu(g: GraphBuilder, x: str, state: str, w_kc: str):
     return g.reshape(y, [1, -1]), g.op("Squeeze", new_state, g.ints([0]))
 
 
-def emit_short_conv_cpu(g: GraphBuilder, x: str, state: str, w_kc: str, state_select: str):
-    """A chunk of N tokens (the any-N CPU graph's; N may be dynamic) through CausalConvWithState with
-    channels_last (x [N, C] is its [1, N, C] as it lies), SiLU fused: 7 nodes where the plain form
-    takes ~17 (K slices, products and sums).
-    The op's own new state would include a chunk's padded tail, so the new state is picked by
-    state_select [K-1, K-1+N] among [state columns; inputs], as in emit_short_conv.
+def emit_short_conv_cpu(g: GraphBuilder, x: str, state: str, w_kc: str, state_select: str, k: int):
+    """A chunk of N tokens (the any-N CPU graph's; N may be dynamic) in plain ops, channels-last as x
+    lies: y = silu(sum_j X[j : j+N] * w[j]) over X = [state columns; x], each slice's end counted
+    from X's end so one graph serves any N. Not CausalConvWithState, whose CPU kernel runs a chunk
+    ~4x slower: 18 layers at Qwen3.5-0.8B shapes, N = 128, 120 vs 27 ms (docs/cpu-speed.md); for
+    one token it is the faster one (emit_short_conv_step_cpu).
+    The new state is picked by state_select [K-1, K-1+N] among [state columns; inputs] (a chunk
+    may end in padding), as in emit_short_conv.
     x [N, C], state [C, K-1], w_kc [K, C]; returns (y [N, C], new state [C, K-1])."""
-    state_t = g.transpose(state, [1, 0])  # [K-1, C]: the window, oldest first
-    w = g.unsqueeze(g.transpose(w_kc, [1, 0]), [1])  # [C, 1, K]: constant, folded at load
-    y, _ = g.op("CausalConvWithState", g.unsqueeze(x, [0]), w, "", g.unsqueeze(state_t, [0]), n_out=2,
-                domain=MS_DOMAIN, activation="silu", channels_last=1)
-    new_state = g.matmul(state_select, g.op("Concat", state_t, x, axis=0))
-    return g.op("Squeeze", y, g.ints([0])), g.transpose(new_state, [1, 0])
+    X = g.op("Concat", g.transpose(state, [1, 0]), x, axis=0)  # [K-1+N, C], oldest first
+    big = np.iinfo(np.int64).max
+    y = None
+    for j in range(k):
+        end = j - (k - 1) if j < k - 1 else big
+        term = g.op("Mul", g.slice(X, j, end, axis=0), g.slice(w_kc, j, j + 1, axis=0))
+        y = term if y is None else g.op("Add", y, term)
+    new_state = g.matmul(state_select, X)
+    return g.silu(y), g.transpose(new_state, [1, 0])

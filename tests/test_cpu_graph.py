@@ -104,4 +104,13 @@ def test_engine_opens_one_cpu_session_and_old_exports_still_load(text_tied, int4
     assert legacy.pipelines["prefill"] is not legacy.pipelines["decode"]
     packed = manifest["weights"]["prepacked_bytes"]
     assert legacy.memory_report()["weights_bytes"] == engine.memory_report()["weights_bytes"] + packed
-    assert legacy.generate(prompt, 6, stop_at_eos=False) == tokens
+    assert len(legacy.generate(prompt, 6, stop_at_eos=False)) == 6
+
+    def forced(path):  # logits after the prompt and after each of the any-N graph's tokens
+        e = hybrid_npu.load(path)
+        return np.stack([np.ravel(e.prefill(prompt))] + [np.ravel(e.decode(t)) for t in tokens[:-1]])
+
+    # the same path's logits, not its argmax: the fixture's int4 logits have near-ties (0.016 apart)
+    # that rounding in either graph's fused ops flips; held to a tenth of what int4 itself moves them
+    new, old_logits, fp32 = forced(int4), forced(old), forced(text_tied.out)
+    assert np.all(np.linalg.norm(old_logits - new, axis=1) <= 0.1 * np.linalg.norm(new - fp32, axis=1))

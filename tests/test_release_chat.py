@@ -186,12 +186,14 @@ def test_restored_checkpoint_logits_equal_a_fresh_prefill(release):
     assert 0 < kept < len(full) // 2
     resumed = engine.prefill(full[kept:])
     np.testing.assert_allclose(resumed, fresh.prefill_logits(full), rtol=1e-4, atol=1e-4)
-    # against transformers in float64: its own fp32 run differs from float64 by about as much as
-    # ours does (ORT's LinearAttention accumulates in another order), so fp32 vs fp32 would compare
-    # two roundings
+    # against transformers in float64, held to 1e-4 or to transformers' own fp32 error if that is
+    # larger: its fp32 run differs from float64 by about as much as ours does (1.5e-4 and 1.3e-4
+    # here: ORT's LinearAttention and RMSNormalization accumulate in another order), so fp32 vs
+    # fp32 would compare two roundings
     with torch.no_grad():
         want = copy.deepcopy(release.ref).double()(torch.tensor([full])).logits[0, -1].numpy()
-    np.testing.assert_allclose(resumed, want, rtol=1e-4, atol=1e-4)
+        hf32 = release.ref(torch.tensor([full])).logits[0, -1].numpy()
+    assert np.abs(resumed - want).max() <= max(1e-4, np.abs(hf32 - want).max())
 
 
 def test_save_and_load_keep_the_checkpoints_in_a_fresh_process(release, tmp_path):

@@ -3,11 +3,12 @@
 * plain: HTP-safe plain ONNX ops (the NPU-shaped prefill and verify graphs, also run on the CPU);
   the recurrent state comes in per-head units (runtime/pipeline.py: 1 on the CPU).
 * npu: plain, with MatMulNBits fed rank-3 ("Unsupported input A rank, expecting 3D" on the HTP).
-* cpu: ONNX Runtime's fused CPU kernels (contrib ops the HTP does not have): norms, the residual
-  add with the next norm, the one-token conv, the delta rule as LinearAttention; the state in real
-  units. Only chains (a tree needs the masked form's commit tensors).
+* cpu: ONNX Runtime's fused CPU kernels (contrib ops the HTP does not have) where they measured
+  faster than plain ops: norms, the residual add with the next norm, the one-token conv, the delta
+  rule as LinearAttention; the state in real units. Only chains (a tree needs the masked form's
+  commit tensors).
 * cpu_tree: the CPU's verify graph. A tree needs plain's masked delta rule and conv selections;
-  everything else is cpu's (fused norms, Softplus, GatedRMSNorm) and the state is in real units.
+  everything else is cpu's (fused norms, Softplus, the gated norm) and the state is in real units.
 """
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ class NpuOps(PlainOps):
 class CpuOps(PlainOps):
     """Measured on Qwen3.5-0.8B int4 head-4 (docs/cpu-speed.md): the fused norms and conv took a decode
     step from 3,222 to 2,089 nodes (14.4 -> 17.5 tok/s); LinearAttention from 1,418 to 950 kernels.
-    The GDN layers' nodes take any token count (the any-N graph runs them without If: no subgraph
-    frame per layer, no copy of the state out of a branch)."""
+    Two fused kernels lost to plain ops and are not used: GatedRMSNorm (3-16x slower) and, for a
+    chunk, CausalConvWithState (4x slower); fifth pass."""
     state_units = False
     chain_only = True
 

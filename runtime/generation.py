@@ -56,7 +56,7 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
     engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
     policy = policy_for(engine) if speculative and engine.adaptive else None
     if policy is not None:
-        policy.note_context(engine.state.position)
+        policy.note_context(engine.state.position, fresh=not append)
     if engine.drafter is not None and engine._tap_pending is not None:
         engine.drafter.observe([new[0]], engine._tap_pending[None])
         engine._tap_pending = None

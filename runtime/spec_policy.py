@@ -38,8 +38,9 @@ step and a verified round both emit the target's own tokens (greedy) or its own 
 A drafter that can score its guesses (runtime/eagle3.py: its first-level guess before each token
 the target decoded plainly, computed in the catch-up observe it makes anyway) gives acceptance
 evidence without any round (record_guesses; asked every guess_every plain steps, less often while
-they say plain): while guesses come, plain decoding runs no probes,
-and at a far context a reply starts plainly, measuring rounds only if the guesses, at the last
+they say plain): while guesses come, plain decoding runs no probes unless the guesses leave
+rounds within guess_near of paying (a guess is a depth-1 draft, and a drafter's acceptance comes
+in runs, so the guesses read low: 0.69 a token where rounds accepted 0.87), and at a far context a reply starts plainly, measuring rounds only if the guesses, at the last
 context's costs relative to a decode step, say a round would pay. Measured on the embedded pair
 after 1.5k-12k tokens, where its drafter accepts 1-2 tokens a round: two measuring rounds and the
 probes had cost 4-10% of a 96-token reply (docs/speculation.md).
@@ -74,6 +75,9 @@ class SpecPolicy:
     #                                       ~1.5 ms on the embedded pair, whatever the count)
     guesses_per_catch_up: int = 8         # the last this many of them scored (keep^8 = 0.34: older ones weigh little)
     max_guess_every: int = 256            # ... the interval doubling up to this while the guesses say plain
+    guess_near: float = 0.85              # guesses that put rounds within this of plain's rate still probe: a
+    #                                       guess is a depth-1 draft, and acceptance comes in runs (embedded
+    #                                       pair, 24-token prompt: guesses 0.69, rounds 0.87 a token)
     # the last measurements of each cost
     _decode: deque = field(default_factory=deque)
     _draft_level: deque = field(default_factory=deque)
@@ -225,20 +229,29 @@ class SpecPolicy:
         extra = 2 * max(cost - self.expected_tokens(d) * t_dec, 0.0)
         return min(self.max_budget_interval, math.ceil(extra / (self.probe_budget * t_dec)))
 
-    def note_context(self, tokens: int) -> None:
+    def note_context(self, tokens: int, fresh: bool = False) -> None:
         """A generation starts at a context of `tokens`. Costs measured at a context far from it (a
         new reply after a long document, or a fresh short chat after one) are dropped and measured
         again: a decode step and a verify grow with the context, and carried over they kept rounds
         going where plain decoding won (measured in scripts/bench_speculative.py's sweep). What they
         were relative to the decode step stays as a prior (_costs) until they are; with a guessing
         drafter the reply then starts plainly and the drafter's guesses decide whether rounds are
-        worth measuring at all. The acceptance evidence stays: it decays round by round."""
+        worth measuring at all, and the acceptance evidence starts over (what a drafter accepts
+        depends on the text; the guesses measure it within guess_every steps). Without guesses the
+        acceptance evidence stays: it decays round by round."""
         if self._context is not None and abs(tokens - self._context) > max(512, self._context // 2):
             if self.decode_s is not None and self.draft_level_s is not None and self._fixed:
                 self._prior = (self.draft_level_s / self.decode_s, {k: v / self.decode_s for k, v in self.fixed_s.items()})
             # with a guessing drafter, plain steps first: a reply after a long document paid two
             # measuring rounds where its drafter accepted 1-2 tokens a round (docs/speculation.md)
             self._await_guesses = self.guessing and self._prior is not None
+            # and soon, by this context's guesses alone: after a 12k-token document's plain reply
+            # (acceptance 0.23 there, guesses asked every 256 steps) the next short chat replies
+            # (95 tokens) asked no guesses, or 8 weighed against the document's, and stayed plain
+            # where rounds paid 1.15x (embedded pair, scripts/bench_speculative.py's sweep)
+            self.guess_interval = self.guess_every
+            if self._await_guesses:
+                self.successes = self.failures = 0.0
             self._plain_run = 0
             self._decode.clear()
             self._draft_level.clear()
@@ -249,6 +262,8 @@ class SpecPolicy:
             self._context = tokens
         elif self._context is None:
             self._context = tokens
+        elif fresh:  # a new text at a near length: its costs hold, what its drafter accepts is to be seen
+            self.guess_interval = self.guess_every
 
     # ------------------------------------------------------------ decisions
     def choose(self) -> int:
@@ -303,9 +318,11 @@ class SpecPolicy:
                 self._refreshing = True
                 return 0
             return depth
-        waited = not self.guessing or self._plain_run >= 2 * self.guess_every  # for guesses that never came
-        if not self._guessed and waited and self._plain_run >= self._probe_interval and \
-                self._plain_run >= self.budget_interval():
+        if self._guessed:  # guesses came: a probe only where they leave rounds near paying
+            worth = self.best_depth()[1] * self.decode_s >= self.guess_near * self.margin
+        else:  # for guesses that never came
+            worth = not self.guessing or self._plain_run >= 2 * self.guess_every
+        if worth and self._plain_run >= self._probe_interval and self._plain_run >= self.budget_interval():
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
             self._probe_depth = self.best_depth()[0] or self.measuring_depth()
             return self._probe_depth

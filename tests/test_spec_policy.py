@@ -268,6 +268,48 @@ def test_a_far_context_starts_plainly_and_asks_the_guesses():
     assert drive(p, 2, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)[:2] == [1, 1]
 
 
+def test_guesses_near_paying_still_let_a_probe_measure_rounds():
+    """A guess is a depth-1 draft, and where a drafter's acceptance comes in runs the guesses read low
+    (embedded pair: 0.69 a token where rounds accepted 0.87). Guesses right every other time leave a
+    round (15 ms + 1 ms a level against a 10 ms step) at 1.04x plain's rate: short of the switch
+    (1.2x) but near, so a probe runs and, its rounds accepting everything, speculation goes on.
+    Guesses never right (0.6x) run no probe."""
+    for pattern, want in (([True, False], True), ([False, False], False)):
+        p = SpecPolicy(6, guessing=True, probe_budget=0)
+        drive(p, 6, 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)  # costs measured; plain from then on
+        for _ in range(8):
+            p.record_guesses(pattern * 4)
+        start = len(p.decisions)
+        for _ in range(4):
+            drive(p, 16, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+            if not any(list(p.decisions)[start:]):
+                p.record_guesses(pattern * 4)
+        assert any(list(p.decisions)[start:]) == want
+        if want:
+            assert sum(1 for d in list(p.decisions)[-16:] if d) >= 8  # the rounds found, they go on
+
+
+def test_a_far_context_judges_by_its_own_guesses():
+    """After a context where the drafter was never right (its guesses asked ever less often), a far
+    context asks its guesses at the base interval and judges by them alone: guesses right 5 times in
+    8 start rounds, which the old context's evidence would have outweighed."""
+    p = SpecPolicy(6, guessing=True, refresh_every=16)
+    p.note_context(12000)
+    drive(p, 8, 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
+    for _ in range(4):
+        drive(p, 32, 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
+        p.record_guesses([False] * 8)
+    assert p.guess_interval > p.guess_every and p.acceptance() < 0.05
+    p.note_context(24)
+    assert p.guess_interval == p.guess_every and p.acceptance() == 0.5  # no evidence yet
+    start = len(p.decisions)
+    drive(p, 32, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    assert not any(list(p.decisions)[start:])  # plain until the guesses come
+    p.record_guesses([False] * 3 + [True] * 5)
+    drive(p, 8, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    assert any(list(p.decisions)[start + 32:])
+
+
 def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
     """The guesses the catch-up scores are the drafter's own: one position at a time, guess() before
     each token, on a second drafter fed the same pairs."""

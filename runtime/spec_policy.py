@@ -40,8 +40,9 @@ the target decoded plainly, computed in the catch-up observe it makes anyway) gi
 evidence without any round (record_guesses; asked every guess_every plain steps, less often while
 they say plain): while guesses come, plain decoding runs no probes unless the guesses leave
 rounds within guess_near of paying (a guess is a depth-1 draft, and a drafter's acceptance comes
-in runs, so the guesses read low: 0.69 a token where rounds accepted 0.87), and at a far context a reply starts plainly, measuring rounds only if the guesses, at the last
-context's costs relative to a decode step, say a round would pay. Measured on the embedded pair
+in runs, so the guesses read low: 0.69 a token where rounds accepted 0.87), and at a far context
+a reply starts plainly, measuring rounds only if the guesses, at the last context's costs
+relative to a decode step, say a round would pay. Measured on the embedded pair
 after 1.5k-12k tokens, where its drafter accepts 1-2 tokens a round: two measuring rounds and the
 probes had cost 4-10% of a 96-token reply (docs/speculation.md).
 

@@ -31,7 +31,8 @@ MODES = {"fp32": {}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"},
          "int4-head4": {"weights": "int4", "head_bits": 4},
          # larger blocks: fewer scales, a smaller prepacked copy in memory (README, memory)
          "int4-head4-b64": {"weights": "int4", "head_bits": 4, "block_size": 64},
-         "int4-head4-b128": {"weights": "int4", "head_bits": 4, "block_size": 128}}
+         "int4-head4-b128": {"weights": "int4", "head_bits": 4, "block_size": 128},
+         "int8-b128": {"weights": "int8", "block_size": 128}}
 HTP_MODES = {"htp-fp16": {}, "htp-qdq-w8a16": {"weights": "int8", "calibration": True},
              "htp-qdq-w4a16": {"weights": "int4", "calibration": True},
              "htp-nbits-int8": {"weights": "int8", "npu_quant": "nbits"},

@@ -96,7 +96,7 @@ class CpuOps(PlainOps):
     state_unit_axis = True
 
     def gated_norm(self, o: str, z: str, weight: str, *, rows, hv: int, dv: int, unit: str | None) -> str:
-        return emit_gated_rmsnorm_cpu(self.g, o, z, weight, self.eps, dv)  # o already [rows, Hv·Dv]
+        return emit_gated_rmsnorm_cpu(self.g, o, z, weight, self.eps, dv)  # o [rows, Hv·Dv] or [rows, Hv, Dv]
 
     def short_conv(self, x: str, state: str, w_kc: str, *, n: int, k: int, state_select, tree_select):
         if n == 1:  # one token: the op's own new state (the shifted window)
@@ -118,10 +118,7 @@ class CpuTreeOps(PlainOps):
     the plain graph ran ~1,800 kernels a call, most of them the HTP-safe norms' and the state units'."""
     state_units = False
     fp16_guards = False
-    norm1p, add_norm1p, softplus = CpuOps.norm1p, CpuOps.add_norm1p, CpuOps.softplus
-
-    def gated_norm(self, o: str, z: str, weight: str, *, rows, hv: int, dv: int, unit: str | None) -> str:
-        return emit_gated_rmsnorm_cpu(self.g, self.g.reshape(o, [rows, hv * dv]), z, weight, self.eps, dv)
+    norm1p, add_norm1p, softplus, gated_norm = CpuOps.norm1p, CpuOps.add_norm1p, CpuOps.softplus, CpuOps.gated_norm
 
 
 OP_SETS = {"plain": PlainOps, "npu": NpuOps, "cpu": CpuOps, "cpu_tree": CpuTreeOps}

@@ -122,11 +122,8 @@ def emit_short_conv_cpu(g: GraphBuilder, x: str, state: str, w_kc: str, state_se
     may end in padding), as in emit_short_conv.
     x [N, C], state [C, K-1], w_kc [K, C]; returns (y [N, C], new state [C, K-1])."""
     X = g.op("Concat", g.transpose(state, [1, 0]), x, axis=0)  # [K-1+N, C], oldest first
-    big = np.iinfo(np.int64).max
-    y = None
-    for j in range(k):
-        end = j - (k - 1) if j < k - 1 else big
-        term = g.op("Mul", g.slice(X, j, end, axis=0), g.slice(w_kc, j, j + 1, axis=0))
-        y = term if y is None else g.op("Add", y, term)
+    y = g.op("Mul", x, g.slice(w_kc, k - 1, k, axis=0))  # the last tap's window is x itself: no slice copy
+    for j in range(k - 1):
+        y = g.op("Add", y, g.op("Mul", g.slice(X, j, j - (k - 1), axis=0), g.slice(w_kc, j, j + 1, axis=0)))
     new_state = g.matmul(state_select, X)
     return g.silu(y), g.transpose(new_state, [1, 0])

@@ -240,17 +240,19 @@ class SpecPolicy:
         worth measuring at all, and the acceptance evidence starts over (what a drafter accepts
         depends on the text; the guesses measure it within guess_every steps). Without guesses the
         acceptance evidence stays: it decays round by round."""
-        if self._context is not None and abs(tokens - self._context) > max(512, self._context // 2):
+        far = self._context is not None and abs(tokens - self._context) > max(512, self._context // 2)
+        if far or fresh:  # a new context or text: its guesses are asked soon (below, why)
+            self.guess_interval = self.guess_every
+        if far:
             if self.decode_s is not None and self.draft_level_s is not None and self._fixed:
                 self._prior = (self.draft_level_s / self.decode_s, {k: v / self.decode_s for k, v in self.fixed_s.items()})
             # with a guessing drafter, plain steps first: a reply after a long document paid two
             # measuring rounds where its drafter accepted 1-2 tokens a round (docs/speculation.md)
             self._await_guesses = self.guessing and self._prior is not None
-            # and soon, by this context's guesses alone: after a 12k-token document's plain reply
-            # (acceptance 0.23 there, guesses asked every 256 steps) the next short chat replies
-            # (95 tokens) asked no guesses, or 8 weighed against the document's, and stayed plain
-            # where rounds paid 1.15x (embedded pair, scripts/bench_speculative.py's sweep)
-            self.guess_interval = self.guess_every
+            # judged by this context's guesses alone, asked soon (above): after a 12k-token document's
+            # plain reply (acceptance 0.23 there, guesses asked every 256 steps) the next short chat
+            # replies (95 tokens) asked no guesses, or 8 weighed against the document's, and stayed
+            # plain where rounds paid 1.15x (embedded pair, scripts/bench_speculative.py's sweep)
             if self._await_guesses:
                 self.successes = self.failures = 0.0
             self._plain_run = 0
@@ -263,8 +265,6 @@ class SpecPolicy:
             self._context = tokens
         elif self._context is None:
             self._context = tokens
-        elif fresh:  # a new text at a near length: its costs hold, what its drafter accepts is to be seen
-            self.guess_interval = self.guess_every
 
     # ------------------------------------------------------------ decisions
     def choose(self) -> int:

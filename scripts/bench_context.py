@@ -31,8 +31,8 @@ def fill_context(engine, length: int, rng) -> None:
     state = engine.state
     state.ensure_capacity(length + 64)
     for layer in state.attention.values():
-        layer.key[:, :length] = rng.standard_normal(layer.key[:, :length].shape, dtype=np.float32)
-        layer.value[:, :, :length] = rng.standard_normal(layer.value[:, :, :length].shape, dtype=np.float32)
+        rows = (layer.key.shape[0], length, layer.key.shape[2])
+        layer.write(0, rng.standard_normal(rows, dtype=np.float32), rng.standard_normal(rows, dtype=np.float32))
     state.position = length
     state.tokens = [0] * length
 

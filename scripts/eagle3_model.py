@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_npu.errors import UserError
+
 
 @dataclass(frozen=True)
 class DraftShape:
@@ -191,3 +193,16 @@ def save_checkpoint(drafter: Drafter, used: np.ndarray, target_taps, out_dir) ->
     tensors["t2d"] = torch.from_numpy(t2d)
     save_file(tensors, str(out / "model.safetensors"))
     return out
+
+
+def load_checkpoint(drafter: Drafter, used: np.ndarray, path) -> None:
+    """Continue from a checkpoint save_checkpoint wrote: its weights into `drafter`. Its draft
+    vocabulary must be `used` (the same target and corpus give the same one)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    d2t = tensors.pop("d2t").numpy()
+    tensors.pop("t2d", None)
+    if len(d2t) != len(used) or not np.array_equal(d2t + np.arange(len(d2t)), np.asarray(used)):
+        raise UserError(f"{path}: its draft vocabulary differs from this run's; train it from the start")
+    drafter.load_state_dict(tensors, strict=True)

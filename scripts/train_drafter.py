@@ -56,9 +56,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus-root", type=Path, help="a directory of .py files instead of the standard library")
+    ap.add_argument("--init", type=Path, help="continue training this drafter checkpoint (one train_drafter.py "
+                    "wrote for the same target) instead of starting from the target's head")
     args = ap.parse_args(argv)
     if not (args.target / "config.json").is_file():
         raise UserError(f"{args.target} has no config.json; give a Hugging Face checkpoint directory")
+    if args.init is not None and not (args.init / "model.safetensors").is_file():
+        raise UserError(f"--init {args.init}: no model.safetensors there; give a drafter train_drafter.py wrote")
     if args.ttt_steps < 1 or args.prompts < 1 or args.gen_tokens < 2 or args.batch < 1:
         raise UserError("--ttt-steps, --prompts, --batch must be >= 1 and --gen-tokens >= 2")
     return args
@@ -208,7 +212,7 @@ def run(args) -> dict:
 
     import eagle3_data as data
     import stdlib_corpus
-    from eagle3_model import Drafter, init_from_target, save_checkpoint, shape_for_target
+    from eagle3_model import Drafter, init_from_target, load_checkpoint, save_checkpoint, shape_for_target
     from eagle3_train import chain_acceptance
 
     torch.manual_seed(args.seed)
@@ -245,7 +249,10 @@ def run(args) -> dict:
 
     drafter = Drafter(shape_for_target(cfg, vd, len(args.taps)), text.embed_tokens.weight).to(args.device)
     used_t = torch.from_numpy(used).to(args.device)
-    init_from_target(drafter, _TextLM(text, model.lm_head), used_t)
+    if args.init:
+        load_checkpoint(drafter, used, args.init)
+    else:
+        init_from_target(drafter, _TextLM(text, model.lm_head), used_t)
     head = model.lm_head.weight.detach()[used_t].float()
     log["eval_chain_before"] = chain_acceptance(drafter, eval_seqs, used, t2d, DEPTH, args.gen_batch, args.device)
     with clock.phase("train"):

@@ -20,7 +20,8 @@ import eagle3_data  # noqa: E402
 import stdlib_corpus  # noqa: E402
 import train_drafter  # noqa: E402
 from conftest import CHUNK  # noqa: E402
-from eagle3_model import Drafter, DraftShape, init_from_target, save_checkpoint, shape_for_target  # noqa: E402
+from eagle3_model import (Drafter, DraftShape, init_from_target, load_checkpoint, save_checkpoint,  # noqa: E402
+                          shape_for_target)
 from eagle3_train import collate, ttt_loss  # noqa: E402
 
 import hybrid_npu  # noqa: E402
@@ -109,6 +110,28 @@ def _random_drafter(seed=0) -> tuple[Drafter, np.ndarray, torch.Tensor]:
             p.mul_(1 + 0.3 * torch.randn_like(p) if p.ndim == 1 else gain.get(name.split(".")[-2], 1.0))
     used = np.sort(np.random.default_rng(seed).choice(320, 64, replace=False)).astype(np.int64)
     return d, used, embed
+
+
+def test_init_continues_from_a_saved_checkpoint(tmp_path):
+    """--init: a fresh drafter loaded from a checkpoint computes what the saved one did (every
+    weight back), and a checkpoint over another draft vocabulary is refused, not half loaded."""
+    from hybrid_npu.errors import UserError
+
+    d, used, embed = _random_drafter()
+    save_checkpoint(d, used, TAPS, tmp_path / "ck")
+    fresh = Drafter(d.shape, embed)
+    ids = torch.from_numpy(np.random.default_rng(2).integers(0, 320, (1, 12)))
+    taps = torch.from_numpy(np.random.default_rng(3).standard_normal((1, 12, 3 * 48)).astype(np.float32))
+    with torch.no_grad():
+        before = fresh.ttt(taps, ids, 2)[1]
+        load_checkpoint(fresh, used, tmp_path / "ck")
+        after, want = fresh.ttt(taps, ids, 2)[1], d.ttt(taps, ids, 2)[1]
+    assert not torch.allclose(before, want)
+    torch.testing.assert_close(after, want, atol=0, rtol=0)
+    other = used.copy()
+    other[0] = next(i for i in range(320) if i not in set(used))
+    with pytest.raises(UserError, match="draft vocabulary"):
+        load_checkpoint(Drafter(d.shape, embed), np.sort(other), tmp_path / "ck")
 
 
 def test_ttt_unroll_matches_the_exported_drafter(tmp_path):

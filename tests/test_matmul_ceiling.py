@@ -75,3 +75,47 @@ def test_ceiling_reports_both_steps_and_refuses_a_float_export(text_tied, export
                          capture_output=True, text=True)
     assert run.returncode == 2 and "no model.json" in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_decode_gap_rest_graph_reads_no_weight_matmul(exports):
+    """scripts/decode_gap.py's `rest`: the export's CPU graph without one MatMulNBits (If branches
+    included) or their packed weights, yet the same outputs at the same shapes for the engine's own
+    decode feed; an --ablate group also removes its op type, and an unknown one is refused."""
+    import decode_gap
+
+    import hybrid_npu
+    from hybrid_npu.errors import UserError
+    from hybrid_npu.runtime.step_inputs import chain_feed
+
+    export_dir = exports / "int4"
+    graph_path = export_dir / "graphs" / "cpu.onnx"
+
+    def op_types(g):
+        for n in g.node:
+            yield n.op_type
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    yield from op_types(a.g)
+
+    original = onnx.load(str(graph_path), load_external_data=False)
+    assert "MatMulNBits" in set(op_types(original.graph))
+    engine = hybrid_npu.load(export_dir, threads=1)
+    engine.prefill_logits([1, 2, 3])
+    pipe = engine.pipelines["decode"]
+    feed = {k: v for k, v in chain_feed(engine.config, engine.state, [4], 1).items() if k in pipe._inputs[0]}
+    want = dict(zip(pipe._outputs[0], pipe.sessions[0].run(pipe._outputs[0], feed)))
+    for ops in (set(), {"LinearAttention", "CausalConvWithState"}):
+        rest = decode_gap.ablated(graph_path, ops)
+        kinds = set(op_types(rest.graph))
+        assert "MatMulNBits" not in kinds and not kinds & ops
+        assert not any(t.name.endswith((".q4", ".q8", ".scales")) for t in rest.graph.initializer)
+        path = export_dir / "graphs" / "rest_test.onnx"
+        onnx.save(rest, str(path))
+        try:
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        finally:
+            path.unlink()
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+        assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    with pytest.raises(UserError, match="no pass-through for Gemm"):
+        decode_gap.check_groups([{"Gemm"}])

@@ -20,6 +20,15 @@ NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Ten
               np.dtype(np.uint8): TensorProto.UINT8}
 
 
+def all_nodes(nodes):
+    """Every node of `nodes` and of their subgraphs (If branches), depth first."""
+    for node in nodes:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from all_nodes(attr.g.node)
+
+
 class GraphBuilder:
     def __init__(self, name: str):
         self.name = name
@@ -160,13 +169,7 @@ class GraphBuilder:
             inits.append(t)
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, inits)
         opsets = [helper.make_opsetid("", self.opset)]
-        def every(nodes):  # If branches included
-            for node in nodes:
-                yield node
-                for attr in node.attribute:
-                    if attr.type == onnx.AttributeProto.GRAPH:
-                        yield from every(attr.g.node)
-        if any(node.domain == MS_DOMAIN for node in every(self.nodes)):
+        if any(node.domain == MS_DOMAIN for node in all_nodes(self.nodes)):
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="hybrid-npu")
         model.ir_version = 10

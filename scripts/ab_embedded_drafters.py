@@ -7,18 +7,19 @@ speculative output is checked against plain greedy. Prints one JSON object.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import held_out_prompts, machine, rotated, run, set_mode  # noqa: E402
+from bench_speculative import SHAPES, held_out_prompts, machine, rotated, run, set_mode  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
-CHAIN = {"top_k": 1, "depth": 6, "total_tokens": 6}
+CHAIN = SHAPES["chain"]  # the benchmark's chain: depth 6
 
 
 def main(argv=None) -> int:
@@ -31,8 +32,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    import os
-
     import hybrid_npu
 
     for p in (args.a, args.b):

@@ -1,11 +1,13 @@
-"""Where a decode step's time goes besides its weight matmuls, measured in one process.
+"""Where a decode step's (or a prefill chunk's) time goes besides its weight matmuls, measured in one process.
 
-Three sessions over the same inputs (the engine's own decode feed after a short prompt), run in
+Three sessions over the same inputs (the engine's own decode feed after a short prompt; with
+--tokens C, the feed of one C-token prefill chunk through the same any-N graph), run in
 alternating rounds so drift hits all of them alike:
 - `full`: the export's CPU graph (cpu.onnx), as the engine runs it;
 - `rest`: the same graph with every MatMulNBits replaced by a broadcast of its input's first column
   to the right shape (no weights read): the cost of everything else;
-- `matmul_only`: the MatMulNBits nodes alone (scripts/matmul_ceiling.py's graph).
+- `matmul_only`: the MatMulNBits nodes alone (scripts/matmul_ceiling.py's graph: decode.onnx's
+  for one token, prefill.onnx's for a chunk, whose head has one row as the engine's has).
 If full ≈ rest + matmul_only the two parts do not slow each other down, and the gap to the
 ceiling is `rest`. `--ablate` adds variants of `rest` with more op types replaced by pass-throughs
 (groups separated by ';', op types by ','), to see what inside `rest` costs what. The numbers in
@@ -13,7 +15,7 @@ those are wrong on purpose; only the time is read. A pass-through that becomes a
 copy where the kernel wrote in place, so ablation deltas are approximate (within ~0.1 ms here).
 Quantised exports only (MatMulNBits). Prints one JSON object.
 
-    python scripts/decode_gap.py EXPORT_DIR [--threads 2] [--rounds 6]
+    python scripts/decode_gap.py EXPORT_DIR [--threads 2] [--rounds 6] [--tokens 1|CHUNK]
         [--ablate "LinearAttention;CausalConvWithState;RMSNormalization,SkipSimplifiedLayerNormalization"]
 """
 from __future__ import annotations
@@ -98,7 +100,7 @@ def median_ms(run, calls: int = 25) -> float:
     return float(np.median(times)) * 1e3
 
 
-def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]]) -> dict:
+def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]], tokens: int = 1) -> dict:
     import onnxruntime as ort
 
     import hybrid_npu
@@ -110,10 +112,16 @@ def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]])
     if engine.manifest["weights"].get("mode", "float") == "float" or "cpu" not in engine.manifest["graphs"]:
         raise UserError(f"{export_dir}: a quantised export with the any-N CPU graph is needed "
                         "(export it with --weights int4 or int8)")
+    chunk = engine.manifest["chunk"]
+    if tokens not in (1, chunk):
+        raise UserError(f"--tokens {tokens}: the any-N graph takes 1 token (a decode step) or {chunk} "
+                        f"(a prefill chunk of this export)")
     engine.prefill_logits(list(range(1, 17)))
-    pipe = engine.pipelines["decode"]
+    pipe = engine.pipelines["decode"]  # the any-N cpu.onnx session: decode steps and CPU prefill chunks
     names, wanted = pipe._outputs[0], pipe._inputs[0]
-    feed = {k: v for k, v in chain_feed(engine.config, engine.state, [1], 1).items() if k in wanted}
+    ids = [1 + i % 7 for i in range(tokens)]
+    feed = {k: v for k, v in chain_feed(engine.config, engine.state, ids, tokens).items() if k in wanted}
+    calls = 25 if tokens == 1 else 5  # a chunk call is ~20x a decode step
     graphs = export_dir / "graphs"
     arms = {"full": lambda: pipe.sessions[0].run(names, feed)}
     for ops in [set()] + groups:
@@ -126,7 +134,7 @@ def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]])
         finally:
             Path(name).unlink()
         arms["rest" + "".join(f" -{o}" for o in sorted(ops))] = (lambda s: lambda: s.run(None, feed))(session)
-    model, shapes = matmul_only_model(graphs / "decode.onnx")
+    model, shapes = matmul_only_model(graphs / ("decode.onnx" if tokens == 1 else "prefill.onnx"))
     alone = ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     alone_feed = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -135,9 +143,9 @@ def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]])
     order = list(arms)
     for r in range(rounds):
         for k in order if r % 2 == 0 else order[::-1]:
-            per_round[k].append(round(median_ms(arms[k]), 3))
+            per_round[k].append(round(median_ms(arms[k], calls), 3))
     best = {k: min(v) for k, v in per_round.items()}
-    return {"export": str(export_dir), "threads": threads, "rounds": rounds,
+    return {"export": str(export_dir), "threads": threads, "rounds": rounds, "tokens": tokens,
             "best_median_ms": best, "median_ms_per_round": per_round,
             "full_minus_parts_ms": round(best["full"] - best["rest"] - best["matmul_only"], 3),
             "fraction_of_matmul_only_rate": round(best["matmul_only"] / best["full"], 3)}
@@ -148,6 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("export", type=Path)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=1, help="1: a decode step; the export's chunk: a prefill chunk")
     ap.add_argument("--ablate", default="", help="groups of op types to pass through in `rest`, e.g. "
                     "'LinearAttention;CausalConvWithState'")
     ap.add_argument("--out", type=Path)
@@ -157,7 +166,7 @@ def main(argv=None) -> int:
         check_groups(groups)
         if not (args.export / "graphs" / "cpu.onnx").is_file():
             raise UserError(f"{args.export} has no graphs/cpu.onnx; give an export directory")
-        result = measure(args.export, args.threads, args.rounds, groups)
+        result = measure(args.export, args.threads, args.rounds, groups, args.tokens)
     except UserError as e:
         print(f"decode_gap.py: error: {e}", file=sys.stderr)
         return 2

@@ -116,3 +116,36 @@ def test_decode_gap_rest_graph_reads_no_weight_matmul(exports):
         assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
     with pytest.raises(UserError, match="no pass-through for Gemm"):
         decode_gap.check_groups([{"Gemm"}])
+
+
+def test_decode_gap_splits_a_prefill_chunk_and_refuses_other_token_counts(exports):
+    """--tokens CHUNK: the rest graph answers the engine's chunk feed at the full graph's shapes, the
+    three arms time the chunk (the MatMulNBits alone at CHUNK rows, from prefill.onnx), and a token
+    count the any-N graph has no branch for is one UserError."""
+    import decode_gap
+
+    import hybrid_npu
+    from hybrid_npu.errors import UserError
+    from hybrid_npu.runtime.step_inputs import chain_feed
+
+    export_dir = exports / "int4"
+    engine = hybrid_npu.load(export_dir, threads=1)
+    engine.prefill_logits([1, 2, 3])
+    pipe = engine.pipelines["decode"]
+    feed = {k: v for k, v in chain_feed(engine.config, engine.state, list(range(4, 4 + CHUNK)), CHUNK).items()
+            if k in pipe._inputs[0]}
+    want = dict(zip(pipe._outputs[0], pipe.sessions[0].run(pipe._outputs[0], feed)))
+    assert want[f"new_key.{engine.config.full_layers[0]}"].shape[1] == CHUNK
+    path = export_dir / "graphs" / "rest_chunk_test.onnx"
+    onnx.save(decode_gap.ablated(export_dir / "graphs" / "cpu.onnx", set()), str(path))
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    finally:
+        path.unlink()
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    result = decode_gap.measure(export_dir, threads=1, rounds=1, groups=[], tokens=CHUNK)
+    assert result["tokens"] == CHUNK and set(result["best_median_ms"]) == {"full", "rest", "matmul_only"}
+    assert all(v > 0 for v in result["best_median_ms"].values())
+    with pytest.raises(UserError, match="--tokens 3"):
+        decode_gap.measure(export_dir, threads=1, rounds=1, groups=[], tokens=3)

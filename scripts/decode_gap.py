@@ -32,6 +32,7 @@ from onnx import helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul_ceiling import matmul_only_model  # noqa: E402
+from bench_cpu import cpu_model  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 from hybrid_npu.errors import UserError  # noqa: E402
@@ -145,7 +146,8 @@ def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]],
         for k in order if r % 2 == 0 else order[::-1]:
             per_round[k].append(round(median_ms(arms[k], calls), 3))
     best = {k: min(v) for k, v in per_round.items()}
-    return {"export": str(export_dir), "threads": threads, "rounds": rounds, "tokens": tokens,
+    return {"machine": {"cpu": cpu_model()}, "export": str(export_dir), "threads": threads, "rounds": rounds,
+            "tokens": tokens,
             "best_median_ms": best, "median_ms_per_round": per_round,
             "full_minus_parts_ms": round(best["full"] - best["rest"] - best["matmul_only"], 3),
             "fraction_of_matmul_only_rate": round(best["matmul_only"] / best["full"], 3)}

@@ -4,7 +4,9 @@ and decode tokens/s, plain vs speculative, (1) on held-out chat prompts, chain a
 long chat: the reply is a chat answer, where the drafter was trained), L tokens in all.
 
 Modes: "plain"; "adaptive" (the default: runtime/spec_policy.py decides per step whether and how
-deep to draft); "always" (a round every step, the draft shape's full depth). Runs of the modes
+deep to draft); "always" (a round every step, the draft shape's full depth); "plain_again", plain
+decoding a second time in each repeat: its ratio to "plain" is this run's noise floor (what a mode
+that changed nothing would measure), against which a ratio near 1 is read. Runs of the modes
 are interleaved, repeat by repeat, so load from other jobs on the machine hits all of them; each
 row keeps its best repeat ("vs_plain": best against best), and also the median of its per-repeat
 ratios to the plain run of the same repeat ("paired_vs_plain"; each repeat turns the
@@ -146,22 +148,23 @@ def main() -> int:
     result = {"machine": machine(), "load_average_at_start": os.getloadavg(), "threads": args.threads,
               "note": "machine shared with other jobs; modes interleaved per repeat, best repeat kept",
               "repeats": args.repeats, "greedy": True, "chat": {}, "context": []}
-    chat_modes = [("plain", None, engine)] + [(f"{prefix[kind]}{shape}_{mode}", (shape, mode), e)
-                                             for kind, e in engines.items() for shape in SHAPES
-                                             for mode in ("adaptive", "always")]
+    chat_modes = [("plain", None, engine), ("plain_again", "again", engine)] + [
+        (f"{prefix[kind]}{shape}_{mode}", (shape, mode), e)
+        for kind, e in engines.items() for shape in SHAPES for mode in ("adaptive", "always")]
     best: dict = {}
     per_repeat: dict = {}
     reference = None
     for r in range(args.repeats):
         for name, spec, e in rotated(chat_modes, r):
-            if spec:
+            if spec and spec != "again":
                 set_mode(e, spec[1], SHAPES[spec[0]])
-            row, outputs = run(e, prompts, args.new, "plain" if spec is None else spec[1])
+            row, outputs = run(e, prompts, args.new, "plain" if spec in (None, "again") else spec[1])
             if spec is None:
                 reference = outputs
-            else:
+            else:  # plain again must match too: greedy plain decoding is deterministic
                 row["mismatched_prompts"] = sum(a != b for a, b in zip(outputs, reference))
-                row["shape"] = e.draft_shape
+                if spec != "again":
+                    row["shape"] = e.draft_shape
             per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
             if name not in best or row["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
                 best[name] = row
@@ -181,14 +184,14 @@ def main() -> int:
         rows: dict = {}
         per_repeat = {}
         reference = None
-        runs = [("plain", "plain", engine, None)] + [(f"{prefix[kind]}{mode}", mode, e, kind)
+        runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [(f"{prefix[kind]}{mode}", mode, e, kind)
                                                      for kind, e in engines.items() for mode in ("adaptive", "always")]
         for r in range(args.repeats):
             for name, mode, e, kind in rotated(runs, r):
                 if mode != "plain":
                     set_mode(e, mode, shapes[kind])
                 row, outputs = run(e, [prompt], args.context_new, mode, long_context=True)
-                reference = outputs if mode == "plain" else reference
+                reference = outputs if name == "plain" else reference
                 if mode != "plain":
                     row["mismatched"] = int(outputs != reference)
                     row["shape"] = e.draft_shape

@@ -77,6 +77,17 @@ def test_ceiling_reports_both_steps_and_refuses_a_float_export(text_tied, export
     assert len(run.stderr.strip().splitlines()) == 1
 
 
+def _output_shapes(model, export_dir, feed) -> dict:
+    """Run `model` (beside the export's weights.bin, where its external data resolves) on feed."""
+    path = export_dir / "graphs" / "rest_test.onnx"
+    onnx.save(model, str(path))
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    finally:
+        path.unlink()
+    return {o.name: v.shape for o, v in zip(session.get_outputs(), session.run(None, feed))}
+
+
 def test_decode_gap_rest_graph_reads_no_weight_matmul(exports):
     """scripts/decode_gap.py's `rest`: the export's CPU graph without one MatMulNBits (If branches
     included) or their packed weights, yet the same outputs at the same shapes for the engine's own
@@ -106,14 +117,7 @@ def test_decode_gap_rest_graph_reads_no_weight_matmul(exports):
         kinds = op_types(rest.graph)
         assert "MatMulNBits" not in kinds and not kinds & ops
         assert not any(t.name.endswith((".q4", ".q8", ".scales")) for t in rest.graph.initializer)
-        path = export_dir / "graphs" / "rest_test.onnx"
-        onnx.save(rest, str(path))
-        try:
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        finally:
-            path.unlink()
-        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
-        assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+        assert _output_shapes(rest, export_dir, feed) == {k: v.shape for k, v in want.items()}
     with pytest.raises(UserError, match="no pass-through for Gemm"):
         decode_gap.check_groups([{"Gemm"}])
 
@@ -136,14 +140,8 @@ def test_decode_gap_splits_a_prefill_chunk_and_refuses_other_token_counts(export
             if k in pipe._inputs[0]}
     want = dict(zip(pipe._outputs[0], pipe.sessions[0].run(pipe._outputs[0], feed)))
     assert want[f"new_key.{engine.config.full_layers[0]}"].shape[1] == CHUNK
-    path = export_dir / "graphs" / "rest_chunk_test.onnx"
-    onnx.save(decode_gap.ablated(export_dir / "graphs" / "cpu.onnx", set()), str(path))
-    try:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    finally:
-        path.unlink()
-    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
-    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    rest = decode_gap.ablated(export_dir / "graphs" / "cpu.onnx", set())
+    assert _output_shapes(rest, export_dir, feed) == {k: v.shape for k, v in want.items()}
     result = decode_gap.measure(export_dir, threads=1, rounds=1, groups=[], tokens=CHUNK)
     assert result["tokens"] == CHUNK and set(result["best_median_ms"]) == {"full", "rest", "matmul_only"}
     assert all(v > 0 for v in result["best_median_ms"].values())

@@ -105,8 +105,8 @@ def emit_short_conv_step_cpu(g: GraphBuilder, x: str, state: str, w_kc: str):
     """One token (decode) through ONNX Runtime's CPU kernel CausalConvWithState: the fastest form
     measured for one token (18 layers at Qwen3.5-0.8B shapes: 1.18 ms, against 1.30 for Concat·w +
     ReduceSum and 3.3 for the plain slices; docs/cpu-speed.md). Its SiLU is not fused: the kernel's
-    own activation="silu" took 0.82 ms for those 18 layers against 0.56 ms for the conv alone plus
-    Sigmoid·x (ORT's vectorised logistic), same values within 5e-7. x [1, C], state [C, K-1],
+    own activation="silu" took 0.76-0.88 ms for those 18 layers against 0.53-0.64 ms for the conv
+    alone plus Sigmoid·x (ORT's vectorised logistic; scripts/bench_conv_step.py), same values within 2e-6. x [1, C], state [C, K-1],
     w_kc [K, C]; returns (y [1, C], new state [C, K-1]) as emit_short_conv does."""
     w = g.unsqueeze(g.transpose(w_kc, [1, 0]), [1])  # [C, 1, K]: constant, folded at load
     y, new_state = g.op("CausalConvWithState", g.reshape(x, [1, -1, 1]), w, "", g.unsqueeze(state, [0]), n_out=2,

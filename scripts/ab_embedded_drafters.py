@@ -8,13 +8,12 @@ speculative output is checked against plain greedy. Prints one JSON object.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import SHAPES, held_out_prompts, machine, rotated, run, set_mode  # noqa: E402
+from bench_speculative import SHAPES, held_out_prompts, machine, paired, rotated, run, set_mode  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
@@ -61,13 +60,13 @@ def main(argv=None) -> int:
     rows = {}
     for name, v in rates.items():
         rows[name] = {"best_tokens_per_s": max(v), "vs_plain": round(max(v) / max(plain), 3),
-                      "paired_vs_plain": round(statistics.median(a / b for a, b in zip(v, plain)), 3),
+                      "paired_vs_plain": paired(v, plain)["paired_vs_plain"],
                       "per_round": v, **{k: last[name][k] for k in ("acceptance_length", "rounds", "plain_steps")
                                          if k in last[name]}}
     bench_json.emit({"machine": machine(), "a": str(args.a), "b": str(args.b), "rounds": args.rounds,
                      "prompts": args.prompts, "new_tokens": args.new, "shape": CHAIN, "mismatches": mismatches,
                      "load_average_at_start": load_start, "seconds": round(time.time() - t0, 1),
-                     "b_over_a_paired": {m: round(statistics.median(x / y for x, y in zip(rates[f"b_{m}"], rates[f"a_{m}"])), 3)
+                     "b_over_a_paired": {m: paired(rates[f"b_{m}"], rates[f"a_{m}"])["paired_vs_plain"]
                                          for m in ("always", "adaptive")},
                      "rows": rows}, args.out)
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_json  # noqa: E402
 from bench_cpu import cpu_model  # noqa: E402
+from decode_gap import median_ms  # noqa: E402
 
 K = 4
 
@@ -67,15 +67,7 @@ def main() -> int:
     best = {name: float("inf") for name in arms}
     for r in range(args.rounds):
         for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            run = arms[name].run
-            for _ in range(3):
-                run(None, feed)
-            times = []
-            for _ in range(30):
-                t0 = time.perf_counter()
-                run(None, feed)
-                times.append(time.perf_counter() - t0)
-            best[name] = min(best[name], float(np.median(times)) * 1e3)
+            best[name] = min(best[name], median_ms(lambda: arms[name].run(None, feed), 30))
     bench_json.emit({"machine": {"cpu": cpu_model()}, "threads": args.threads, "layers": args.layers,
                      "channels": args.channels, "max_abs_difference": diff,
                      "ms_all_layers_best_median": {k: round(v, 3) for k, v in best.items()}}, args.out)

@@ -148,7 +148,7 @@ def main() -> int:
     result = {"machine": machine(), "load_average_at_start": os.getloadavg(), "threads": args.threads,
               "note": "machine shared with other jobs; modes interleaved per repeat, best repeat kept",
               "repeats": args.repeats, "greedy": True, "chat": {}, "context": []}
-    chat_modes = [("plain", None, engine), ("plain_again", "again", engine)] + [
+    chat_modes = [("plain", None, engine), ("plain_again", None, engine)] + [
         (f"{prefix[kind]}{shape}_{mode}", (shape, mode), e)
         for kind, e in engines.items() for shape in SHAPES for mode in ("adaptive", "always")]
     best: dict = {}
@@ -156,14 +156,14 @@ def main() -> int:
     reference = None
     for r in range(args.repeats):
         for name, spec, e in rotated(chat_modes, r):
-            if spec and spec != "again":
+            if spec:
                 set_mode(e, spec[1], SHAPES[spec[0]])
-            row, outputs = run(e, prompts, args.new, "plain" if spec in (None, "again") else spec[1])
-            if spec is None:
+            row, outputs = run(e, prompts, args.new, "plain" if spec is None else spec[1])
+            if name == "plain":
                 reference = outputs
             else:  # plain again must match too: greedy plain decoding is deterministic
                 row["mismatched_prompts"] = sum(a != b for a, b in zip(outputs, reference))
-                if spec != "again":
+                if spec:
                     row["shape"] = e.draft_shape
             per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
             if name not in best or row["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
@@ -184,8 +184,8 @@ def main() -> int:
         rows: dict = {}
         per_repeat = {}
         reference = None
-        runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [(f"{prefix[kind]}{mode}", mode, e, kind)
-                                                     for kind, e in engines.items() for mode in ("adaptive", "always")]
+        runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [
+            (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in ("adaptive", "always")]
         for r in range(args.repeats):
             for name, mode, e, kind in rotated(runs, r):
                 if mode != "plain":

@@ -130,6 +130,23 @@ class Eagle3Drafter:
             "past_value": np.ascontiguousarray(self.value[:, lo:hi]),
             "logit_rows": np.asarray(logit_rows, np.int64)})))
 
+    @property
+    def context_rows(self) -> int | None:
+        """Of a run of pairs about to be observed, how many must be observed for its outputs (the last
+        rows' logits, hidden and guesses, at most OBSERVE_CHUNK of them) to read observed rows only:
+        the window, counted from the start of their chunk (a chunk's queries share its window
+        start), so a window and two chunks. The older ones may be skipped. None: every row is read."""
+        return None if self.window is None else self.window + 2 * OBSERVE_CHUNK
+
+    def skip(self, n: int) -> None:
+        """Advance past n positions without computing their K/V rows: they fall outside every later
+        query's window (context_rows says how many must be observed after them)."""
+        if self.window is None:
+            raise ValueError("skip: this drafter reads every row (window None)")
+        self._ensure(self.length + n)
+        self.length += int(n)
+        self._hidden = self._logits = self._last_token = None
+
     def _first_row(self) -> int:
         """The oldest stable row a query at the current length sees."""
         return 0 if self.window is None else max(0, self.length - self.window)

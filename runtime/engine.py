@@ -21,13 +21,14 @@ from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 
+from .drafter_feed import DrafterFeed, feed_for
 from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext
 from .export_check import check_chain_graph, damaged, read_manifest
 from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
-from .generation import CPU_DEVICE, stream
+from .generation import CPU_DEVICE, catch_up_drafter, stream
 from .sampling import Sampler, check_sampling, model_defaults
 from .spec_policy import SpecPolicy
 from .state import KV_BLOCK, State
@@ -202,7 +203,7 @@ class Engine:
         self._pending: list[int] = []
         self._tap_pending: np.ndarray | None = None
         self.checkpoints.clear()
-        self._drafter_lag: list = []  # (token, taps before it) from plain steps, not yet observed
+        self._feed = feed_for(getattr(self, "drafter", None))  # pairs the drafter has not observed yet
         if getattr(self, "drafter", None) is not None:
             self.drafter.reset()
 
@@ -247,13 +248,22 @@ class Engine:
         order = getattr(self.drafter, "input_order", None) or self.config.tap_layers
         return np.concatenate([out[f"tap.{j}"][rows] for j in order], axis=-1)
 
+    @property
+    def drafter_feed(self) -> DrafterFeed:
+        """The pairs the drafter has not observed yet (runtime/drafter_feed.py); a swapped drafter gets
+        a feed of its own (it has seen none of the context: it learns from the next tokens)."""
+        if self._feed.owner is not self.drafter:
+            self._feed = feed_for(self.drafter)
+        return self._feed
+
     def _feed_drafter(self, ids: list[int], taps: np.ndarray) -> None:
         """EAGLE pairs the target's feature at position t with the token at t+1 (docs/eagle3-drafter.md
-        §1.2): the last feature waits for the token that follows it."""
+        §1.2): the last feature waits for the token that follows it. The pairs wait in the feed until
+        the drafter is next needed."""
         if self._tap_pending is not None:
-            self.drafter.observe([ids[0]], self._tap_pending[None])
+            self.drafter_feed.add([ids[0]], self._tap_pending[None])
         if len(ids) > 1:
-            self.drafter.observe(list(ids[1:]), taps[:-1])
+            self.drafter_feed.add(list(ids[1:]), taps[:-1])
         self._tap_pending = taps[-1]
 
     def _check_fits(self, n_new: int) -> None:
@@ -332,6 +342,8 @@ class Engine:
             return
         if self._pending:
             raise ValueError("take_checkpoint: the last reply's final token is not in the state yet")
+        if self.drafter is not None:  # a rewind to here continues the drafter from here
+            catch_up_drafter(self)
         length = getattr(self.drafter, "length", None) if self.drafter is not None else None
         self.checkpoints.add(Checkpoint.take(self.state, self._tap_pending, length))
 
@@ -355,6 +367,7 @@ class Engine:
         checkpoint.restore(self.state)
         self.checkpoints.drop_after(checkpoint.position)
         self._tap_pending = checkpoint.tap
+        self.drafter_feed.clear()  # pairs after the checkpoint (the one before it was observed)
         if self.drafter is not None:
             rewind = getattr(self.drafter, "rewind", None)
             if rewind is not None and checkpoint.drafter_length is not None:
@@ -445,7 +458,8 @@ class Engine:
         if check is not None:
             check(extra)
         self.state = state
-        self._pending, self._tap_pending, self._drafter_lag = [], None, []
+        self._pending, self._tap_pending = [], None
+        self.drafter_feed.clear()
         self.checkpoints.clear()
         for checkpoint in saved:  # the drafter is not saved: a restore makes it start over
             self.checkpoints.add(checkpoint)

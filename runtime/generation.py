@@ -58,7 +58,7 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
     if policy is not None:
         policy.note_context(engine.state.position, fresh=not append)
     if engine.drafter is not None and engine._tap_pending is not None:
-        engine.drafter.observe([new[0]], engine._tap_pending[None])
+        engine.drafter_feed.add([new[0]], engine._tap_pending[None])
         engine._tap_pending = None
     done = lambda: ((stop_at_eos and new[-1] in engine.config.eos_token_ids) or len(new) >= limit  # noqa: E731
                     or (should_stop is not None and should_stop()))
@@ -70,15 +70,13 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                 emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]
-                if policy is not None and policy.guessing and len(engine._drafter_lag) >= policy.guess_interval:
+                if policy is not None and policy.guessing and engine.drafter_feed.decoded >= policy.guess_interval:
                     catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
             else:
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
             new.extend(emitted)  # in the context now, whether or not the caller takes them all
             yield from emitted
-    finally:
-        if speculative:
-            catch_up_drafter(engine, policy)  # the next turn's prefill continues the drafter from new[-1]
+    finally:  # (the drafter is shown this reply's plain tokens when it is next needed: drafter_feed.py)
         t_decode = time.perf_counter() - t1
         engine._pending = new[-1:]
         engine.last_stats = {
@@ -133,27 +131,30 @@ def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) 
     nxt = sampler.choose(engine._step("decode", [token]))
     if policy is not None:
         policy.record_plain(time.perf_counter() - t0)
-    engine._drafter_lag.append((nxt, engine._taps(engine._last_out, [0])[0]))
+    engine.drafter_feed.add([nxt], engine._taps(engine._last_out, [0]), decoded=True)
     engine.spec_stats["plain_steps"] += 1
     return nxt
 
 
 def catch_up_drafter(engine, policy: SpecPolicy | None = None) -> None:
-    """Show the drafter, in one call, the tokens decoded plainly since it last saw one. Given a
-    guessing policy, its first guess before each of the last `guesses_per_catch_up` of them is
-    scored against the target's token (SpecPolicy.record_guesses); each guess is a row of draft
-    logits, so the older ones are not computed (the evidence decays guess by guess and would keep
-    ~8 of them)."""
-    if not engine._drafter_lag:
+    """Show the drafter, in one call, the pairs it has not observed (engine.drafter_feed: a prompt's,
+    the plain steps'), skipping those it would never read. Given a guessing policy, its first guess
+    before each of the last `guesses_per_catch_up` plain-decoded tokens is scored against the
+    target's token (SpecPolicy.record_guesses); each guess is a row of draft logits, so the older
+    ones are not computed (the evidence decays guess by guess and would keep ~8 of them)."""
+    feed = engine.drafter_feed
+    if not len(feed):
         return
-    lag, engine._drafter_lag = engine._drafter_lag, []
-    tokens, features = [t for t, _ in lag], np.stack([f for _, f in lag])
-    if policy is None or not policy.guessing:
+    decoded = feed.decoded
+    skipped, tokens, features = feed.take()
+    if skipped:
+        engine.drafter.skip(skipped)
+    k = min(policy.guesses_per_catch_up, decoded, len(tokens)) if policy is not None and policy.guessing else 0
+    if not k:
         engine.drafter.observe(tokens, features)
         return
     n = len(tokens)
-    k = min(policy.guesses_per_catch_up, n)  # guesses to score (the evidence keeps ~8 guesses' weight)
-    first = engine.drafter.guess() if k == n else None  # the guess it held before tokens[0]
+    first = engine.drafter.guess() if k == n and not skipped else None  # the guess it held before tokens[0]
     later = engine.drafter.observe(tokens, features, guesses=k if first is not None else k + 1)
     before = ([first] if first is not None else []) + later[:-1]  # the guesses before tokens[-len(before):]
     if before:

@@ -39,6 +39,7 @@ def child(arm: str, ctx: int) -> dict:
     import bench_speculative as bench
     import hybrid_npu
     import hybrid_npu.runtime.engine as engine_mod
+    from hybrid_npu.runtime.generation import catch_up_drafter
     from hybrid_npu.runtime.speculative import Tree, tree_feed
 
     if arm == "spinning":  # the verify session as a main one: spinning after its calls
@@ -47,6 +48,7 @@ def child(arm: str, ctx: int) -> dict:
     e = hybrid_npu.load(hybrid_npu.default_model(), threads=2)
     ids = bench.source_ids(e.tokenizer, ctx)
     e.generate(ids, 2, speculative=False)
+    catch_up_drafter(e)  # the drafter is shown the context when next needed: here, before propose
 
     def plain():
         t = time.perf_counter()

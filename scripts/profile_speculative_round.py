@@ -97,6 +97,7 @@ def main() -> int:
         global CLOCK
         CLOCK = time.thread_time
     import hybrid_npu
+    from hybrid_npu.runtime.generation import catch_up_drafter
 
     engine = hybrid_npu.load(args.model or hybrid_npu.default_model(), threads=args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -107,8 +108,10 @@ def main() -> int:
         windows = [None if w == "none" else int(w) for w in args.windows.split(",")]
         best: dict = {w: {} for w in windows}
         accepted = {w: 0 for w in windows}
+        engine.drafter.window = None  # every row observed: the rounds below try each window
         engine.generate(prompt, 1, speculative=False)  # fresh context and its first token
-        root = engine._pending[0]  # generate already showed the drafter this token
+        catch_up_drafter(engine)  # the prompt's pairs, then the first token (runtime/drafter_feed.py)
+        root = engine._pending[0]
         engine._pending = []
         decode = 1e9
         for r in range(args.repeats):  # the context grows by a few tokens per round: negligible

@@ -199,6 +199,46 @@ def test_window_sees_only_the_last_rows(plain):
     assert big.propose(toks[-1], 4, 4, 20) == full.propose(toks[-1], 4, 4, 20)
 
 
+def test_skipped_rows_are_never_read(plain):
+    """skip(n) then observing the last context_rows pairs = observing all of them in the same calls
+    for the last ones: the same K/V in every row a later query can see, the same last logits,
+    hidden and guesses, the same trees (the skipped rows are never computed, so never read)."""
+    w, outs = plain
+    W, n = 8, 300
+    taps, toks = taps_and_tokens(n)
+    lazy, ref = Eagle3Drafter(outs["eagle3"], window=W), Eagle3Drafter(outs["eagle3"], window=W)
+    keep = lazy.context_rows
+    assert keep == W + 128 and keep < n
+    lazy.skip(n - keep)
+    ref.observe(toks[: n - keep], taps[: n - keep])
+    logits = {lazy: {}, ref: {}}  # position -> draft logits, of the rows the guesses read
+
+    def recording(d):
+        run = d._run
+
+        def recorded(features, ids, position, lo, hi, visible, new_visible, rows):
+            out = run(features, ids, position, lo, hi, visible, new_visible, rows)
+            logits[d].update({int(p): r for p, r in zip(np.asarray(position)[rows], out["logits"]) if p >= n - 9})
+            return out
+        return recorded
+
+    lazy._run, ref._run = recording(lazy), recording(ref)
+    guesses = [d.observe(toks[n - keep:], taps[n - keep:], guesses=9) for d in (lazy, ref)]
+    assert lazy.length == ref.length == n and guesses[0] == guesses[1]
+    assert sorted(logits[lazy]) == sorted(logits[ref]) == list(range(n - 9, n))
+    for p in logits[ref]:
+        close(logits[lazy][p], logits[ref][p], 1e-6)
+    del lazy._run, ref._run
+    close(lazy._logits, ref._logits, 1e-6)
+    close(lazy._hidden, ref._hidden, 1e-6)
+    for name in ("key", "value"):
+        close(getattr(lazy, name)[:, n - keep: n], getattr(ref, name)[:, n - keep: n], 1e-6)
+    assert lazy.propose(toks[-1], 3, 4, 20) == ref.propose(toks[-1], 3, 4, 20)
+    assert Eagle3Drafter(outs["eagle3"], window=None).context_rows is None
+    with pytest.raises(ValueError, match="every row"):
+        Eagle3Drafter(outs["eagle3"], window=None).skip(3)
+
+
 def test_both_layouts_give_identical_graphs_and_outputs(plain):
     w, outs = plain
     for f in ("drafter.onnx", "drafter_fc.onnx", "drafter_weights.bin", "vocab.safetensors"):

@@ -21,6 +21,7 @@ from hybrid_npu.export.exporter import export
 from hybrid_npu.export.mtp_drafter import MtpConfig, read_mtp
 from hybrid_npu.export.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
 from hybrid_npu.kernels.attention import MASKED
+from hybrid_npu.runtime.generation import catch_up_drafter
 from hybrid_npu.runtime.mtp import MtpDrafter
 
 
@@ -190,6 +191,7 @@ def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_voca
     it once, and the runs exercise multi-candidate rejection on those trees."""
     engine = hybrid_npu.load(tiny_vocab_mtp)
     logits0 = engine.prefill_logits([3, 7, 2, 9, 4])
+    catch_up_drafter(engine)  # the prompt's pairs wait for the drafter's next use: here
     dr = engine.drafter
     length, tap = dr.length, engine._tap_pending
 

@@ -333,9 +333,14 @@ def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
     engine.drafter.observe = observe
     out = engine.generate(prompt, 40, stop_at_eos=False)
     assert out == hybrid_npu.load(eagle3_export).generate(prompt, 40, stop_at_eos=False, speculative=False)
-    k = generation.policy_for(engine).guesses_per_catch_up
-    # 39 plain tokens: a catch-up at 32 (its last k scored) and one at the end (7, all scored)
-    assert [len(t) for t, _, g in pairs if g] == [32, 7] and len(scored) == k + 7
+    policy = generation.policy_for(engine)
+    k = policy.guesses_per_catch_up
+    # 39 plain tokens: a catch-up at 32 (its last k scored), with the 19 prompt pairs and the first
+    # token's before them (the drafter is shown pairs when next needed); the last 7 wait for the next
+    # need, here a catch-up asked for (all 7 scored)
+    assert [len(t) for t, _, g in pairs if g] == [52] and len(scored) == k
+    generation.catch_up_drafter(engine, policy)
+    assert [len(t) for t, _, g in pairs if g] == [52, 7] and len(scored) == k + 7
     from hybrid_npu.runtime.eagle3 import Eagle3Drafter
     ref, hits = Eagle3Drafter(eagle3_export / "drafter"), []
     for tokens, features, guessed in pairs:
@@ -381,13 +386,56 @@ def test_switching_between_plain_steps_and_rounds_keeps_the_output_and_the_draft
     s = engine.last_stats
     assert s["rounds"] > 0 and s["plain_steps"] > 0
     # the drafter saw every (taps, token) pair once, in order: its K/V equals an always-speculating run's
+    # (once shown the last plain steps' pairs, which wait for its next use)
+    generation.catch_up_drafter(engine)
     switched = (engine.drafter.length, engine.drafter.key[:, : engine.drafter.length].copy())
     engine.adaptive = False
     assert engine.generate(prompt, 96, stop_at_eos=False) == plain
     assert engine.last_stats["plain_steps"] == 0
+    generation.catch_up_drafter(engine)
     assert engine.drafter.length == switched[0]
     ref = engine.drafter.key[:, : switched[0]]
     assert np.abs(switched[1] - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())  # verify vs decode taps
+
+
+def test_a_long_prompt_is_observed_only_where_the_drafter_reads_it(eagle3_export):
+    """Of a prompt longer than the drafter's context_rows, only the last ones are observed (the rest
+    skipped, runtime/drafter_feed.py), when the first round needs the drafter; the drafter then
+    proposes what one shown every pair proposes, and the output is the plain one."""
+    engine = hybrid_npu.load(eagle3_export)
+    keep = engine.drafter.context_rows
+    prompt = [int(t) for t in np.random.default_rng(11).integers(0, 300, keep + 300)]
+    plain = engine.generate(prompt, 24, stop_at_eos=False, speculative=False)
+    observed = []
+    real_observe = engine.drafter.observe
+
+    def observe(tokens, features, guesses=0):
+        observed.append(len(tokens))
+        return real_observe(tokens, features, guesses)
+
+    engine.drafter.observe = observe
+    engine.make_policy = lambda e: Scripted([6])
+    engine.prefill_logits(prompt)
+    assert observed == [] and len(engine.drafter_feed) == len(prompt) - 1  # (the last tap waits)
+    assert engine.generate(prompt, 24, stop_at_eos=False) == plain
+    assert observed[0] == keep  # the prompt's last pairs and the first token's, at the first round
+    # the pairs it skipped and kept are the prompt's: a drafter shown all of them, the skipped ones
+    # first, then the kept ones in the same call, proposes the same tree
+    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+    window = engine.drafter.window
+    engine.drafter = full = Eagle3Drafter(eagle3_export / "drafter", window=window)
+    engine.reset()
+    engine.drafter_feed.keep = None  # a feed that holds every pair
+    engine.prefill(prompt)
+    _, tokens, features = engine.drafter_feed.take()
+    skip = len(tokens) - keep
+    full.observe(tokens[:skip], features[:skip])
+    full.observe(tokens[skip:], features[skip:])
+    engine.drafter = lazy = Eagle3Drafter(eagle3_export / "drafter", window=window)
+    engine.prefill_logits(prompt)
+    generation.catch_up_drafter(engine)
+    assert lazy.length == full.length == len(prompt) - 1
+    assert lazy.propose(prompt[-1], 4, 4, 20) == full.propose(prompt[-1], 4, 4, 20)
 
 
 def test_plain_steps_inside_speculation_sample_as_plain_decoding(eagle3_export):

@@ -1,0 +1,60 @@
+"""The (token, target feature) pairs the drafter has not observed yet: it is shown them in one call
+when it is next needed (a round's draft, the policy's guesses, a turn checkpoint), not as they come.
+
+Why lazily: a windowed drafter (runtime/eagle3.py, DRAFT_WINDOW) only ever reads the last `window`
+stable rows, and each row's K/V depends on its own pair alone (one decoder layer: K/V are
+projections of the layer's input, before any attention). So of a long prompt, or of a long stretch
+of plain decoding, only the last rows are needed: the older ones are skipped (drafter.skip), never
+computed. Observing every prompt token as it was prefilled cost 9-23% of the prefill at 1.5k-12k
+tokens on the embedded pair, whether or not a round ever ran (docs/speculation.md).
+
+A drafter without `skip`, or with every row visible (window None), is shown every pair.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class DrafterFeed:
+    def __init__(self, keep: int | None, owner=None):
+        self.keep = keep      # pairs a catch-up must observe (drafter.context_rows); None: all of them
+        self.owner = owner    # the drafter they are for
+        self.clear()
+
+    def clear(self) -> None:
+        self._tokens: list[int] = []
+        self._features: list[np.ndarray] = []  # [n, width] blocks, oldest first
+        self.skipped = 0                       # pairs dropped: the drafter only advances past them
+        self.decoded = 0                       # pairs from plain decode steps since the last catch-up
+
+    def __len__(self) -> int:
+        return self.skipped + len(self._tokens)
+
+    def add(self, tokens, features: np.ndarray, decoded: bool = False) -> None:
+        """Pairs (feature of position t, token t+1); features [n, width]."""
+        self._tokens.extend(int(t) for t in tokens)
+        self._features.append(np.asarray(features, np.float32).reshape(len(tokens), -1))
+        self.decoded += len(tokens) if decoded else 0
+        if self.keep is not None and len(self._tokens) > 2 * self.keep:  # bound what is held
+            self._trim()
+
+    def _trim(self) -> None:
+        drop = len(self._tokens) - self.keep
+        features = np.concatenate(self._features)[drop:]
+        self._tokens, self._features = self._tokens[drop:], [features]
+        self.skipped += drop
+
+    def take(self) -> tuple[int, list[int], np.ndarray]:
+        """(pairs to skip, tokens, features [n, width]) to show the drafter, oldest first; empties the feed."""
+        if self.keep is not None and len(self._tokens) > self.keep:
+            self._trim()
+        skipped, tokens = self.skipped, self._tokens
+        features = np.concatenate(self._features) if self._features else np.zeros((0, 0), np.float32)
+        self.clear()
+        return skipped, tokens, features
+
+
+def feed_for(drafter) -> DrafterFeed:
+    """A feed that skips what `drafter` never reads, when it can skip."""
+    keep = getattr(drafter, "context_rows", None) if callable(getattr(drafter, "skip", None)) else None
+    return DrafterFeed(keep, drafter)

@@ -1,0 +1,34 @@
+"""The drafter's feed (runtime/drafter_feed.py): pairs wait until the drafter is next needed, and of
+a long run only the last context_rows are observed, the older ones skipped."""
+import numpy as np
+
+from hybrid_npu.runtime.drafter_feed import DrafterFeed, feed_for
+
+
+def pairs(n, start=0, width=3):
+    tokens = list(range(start, start + n))
+    return tokens, np.arange(start * width, (start + n) * width, dtype=np.float32).reshape(n, width)
+
+
+def test_the_feed_keeps_the_last_pairs_in_order_and_counts_the_rest():
+    feed = DrafterFeed(keep=5)
+    feed.add(*pairs(3))
+    for t in range(3, 15):  # plain decode steps, one pair each: held within 2 x keep
+        feed.add(*pairs(1, t), decoded=True)
+        assert len(feed._tokens) <= 10
+    assert len(feed) == 15 and feed.decoded == 12
+    skipped, tokens, features = feed.take()
+    assert skipped == 10 and tokens == list(range(10, 15))
+    assert np.array_equal(features, pairs(5, 10)[1])
+    assert len(feed) == 0 and feed.decoded == 0 and feed.take()[:2] == (0, [])
+
+
+def test_a_feed_for_a_drafter_that_cannot_skip_keeps_every_pair():
+    class Observer:  # reset/observe/propose only
+        pass
+
+    feed = feed_for(Observer())
+    assert feed.keep is None
+    feed.add(*pairs(700))
+    skipped, tokens, _ = feed.take()
+    assert skipped == 0 and tokens == list(range(700))

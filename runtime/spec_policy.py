@@ -153,22 +153,27 @@ class SpecPolicy:
         return self.verify_nodes(depth) if callable(self.verify_nodes) else 0
 
     def _costs(self) -> tuple | None:
-        """(draft cost per level, {verify key: fixed cost}) measured at this context; before they are,
-        the last context's relative to its decode step times this one's (a round's cost tracks the
-        decode step's as the context grows: 3.0 and 3.4 decode steps at 24 and 1.5k tokens on the
-        embedded pair); None while neither is known."""
+        """(draft cost per level, {verify key: fixed cost}, unit): seconds are those costs times the
+        unit. Measured at this context, unit 1; before they are, the last context's in decode steps,
+        unit this context's decode step (a round's cost tracks the decode step's as the context grows:
+        3.0 and 3.4 decode steps at 24 and 1.5k tokens on the embedded pair); None while neither is
+        known."""
         if self.draft_level_s is not None and self._fixed:
-            return self.draft_level_s, self.fixed_s
+            return self.draft_level_s, self.fixed_s, 1.0
         if self.guessing and self._prior is not None and self.decode_s is not None:  # guesses judge them
-            draft, fixed = self._prior
-            return draft * self.decode_s, {k: r * self.decode_s for k, r in fixed.items()}
+            return (*self._prior, self.decode_s)
         return None
 
     def round_cost(self, depth: int) -> float | None:
         costs = self._costs()
         if costs is None:
             return None
-        draft_level_s, fixed_all = costs
+        c = self._round_cost(depth, costs)
+        return None if c is None else c * costs[2]
+
+    def _round_cost(self, depth: int, costs: tuple) -> float | None:
+        """A round's cost in the costs' unit."""
+        draft_level_s, fixed_all, _ = costs
         key = self._nodes(depth)
         # only the graph of the device this round verifies on: the NPU's static verify and the CPU's
         # sized one cost different things (past the NPU's T_max rounds move to the CPU; judged by
@@ -186,27 +191,31 @@ class SpecPolicy:
         return fixed + depth * draft_level_s
 
     def best_depth(self) -> tuple[int, float]:
-        """(depth, tokens per second) of the best round by the estimates; (0, 0) if unknown. Kept
-        until a round's cost, the acceptance evidence or a depth's verify graph changes (plain steps
-        change none of them)."""
-        if self._best is not None and self._best[0] == self._estimates():
-            return self._best[1]
-        best = self._best_depth()
-        self._best = (self._estimates(), best)
-        return best
+        """(depth, tokens per second) of the best round by the estimates; (0, 0) if unknown. Its
+        depth and rate in the costs' unit are kept until a round's cost, the acceptance evidence or a
+        depth's verify graph changes: plain steps change none of them (at a far context, where the
+        costs are the last context's in decode steps, each plain step moved the decode step's median
+        and the policy recomputed every depth: 47 of 63 µs a plain step on the embedded pair)."""
+        costs = self._costs()
+        if costs is None:
+            return 0, 0.0
+        key = self._estimates(costs)
+        if self._best is None or self._best[0] != key:
+            self._best = (key, self._best_depth(costs))
+        depth, rate = self._best[1]
+        return depth, rate / costs[2]
 
-    def _estimates(self) -> tuple:
-        """What best_depth reads: the round costs' medians (None where one changed since), the
-        acceptance evidence, each depth's verify graph."""
-        medians = tuple(self._medians.get(id(seen)) for seen in (self._draft_level, *self._fixed.values()))
-        scaled = self._prior is not None and not self._fixed  # the prior's costs move with the decode step's
-        return (medians if None not in medians else object(), tuple(self._fixed), self.successes, self.failures,
-                tuple(self._nodes(d) for d in range(1, self.max_depth + 1)), scaled and self.decode_s)
+    def _estimates(self, costs: tuple) -> tuple:
+        """What best_depth reads besides the unit: the round costs, the acceptance evidence, each
+        depth's verify graph."""
+        return (costs[0], costs[1], self.successes, self.failures,
+                tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
 
-    def _best_depth(self) -> tuple[int, float]:
+    def _best_depth(self, costs: tuple) -> tuple[int, float]:
+        """(depth, tokens per unit of the costs)."""
         best = (0, 0.0)
         for d in range(1, self.max_depth + 1):
-            c = self.round_cost(d)
+            c = self._round_cost(d, costs)
             if c is None:
                 return 0, 0.0
             rate = self.expected_tokens(d) / max(c, 1e-12)

@@ -136,7 +136,9 @@ class Engine:
         # speculation decides per step whether a round pays (runtime/spec_policy.py); False: every
         # step is a round. make_policy(engine) -> a SpecPolicy (tests inject fixed costs)
         self.adaptive = True
-        self.make_policy = lambda engine: SpecPolicy(engine.draft_shape["depth"], verify_nodes=engine.verify_graph)
+        self.make_policy = lambda engine: SpecPolicy(engine.draft_shape["depth"], verify_nodes=engine.verify_graph,
+                                                     verify_graphs=engine.verify_graphs)
+        self._verify_graphs: tuple | None = None  # (what verify_graphs read, its answer)
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
@@ -238,6 +240,16 @@ class Engine:
         k = self.draft_shape["top_k"]
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
         return CPU_DEVICE, next((m for m in sizes if m >= real), n)
+
+    def verify_graphs(self, max_depth: int) -> tuple:
+        """verify_graph of every depth 1..max_depth, as the speculation policy asks it each step: kept
+        while the answer's inputs (where the NPU's graph fits, the draft shape) stay the same."""
+        n = self.manifest["graphs"]["verify"]["n"]
+        npu = "npu_verify" in self.pipelines and self.state.position + n <= self.profile.attention_capacity
+        key = (max_depth, npu, self.draft_shape["top_k"], self.draft_shape["total_tokens"])
+        if self._verify_graphs is None or self._verify_graphs[0] != key:
+            self._verify_graphs = (key, tuple(self.verify_graph(d) for d in range(1, max_depth + 1)))
+        return self._verify_graphs[1]
 
     def verify_nodes(self, depth: int) -> int:
         return self.verify_graph(depth)[1]

@@ -49,6 +49,8 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
     except UserError:  # refused before any work: the context is as it was
         engine._pending = pending
         raise
+    if speculative:  # the prompt's last pairs, which the first round or guesses read (drafter_feed.py)
+        catch_up_drafter(engine)
     limit = min(max_new_tokens, engine._room())  # the memory plan bounds decode and speculation too
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()

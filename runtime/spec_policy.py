@@ -62,6 +62,8 @@ class SpecPolicy:
     max_depth: int
     verify_nodes: object = None          # depth -> the verify graph a round runs now: its size, or (device,
     #                                       size) when rounds may verify on more than one device
+    verify_graphs: object = None         # max depth -> every depth's verify_nodes answer at once (one call
+    #                                       a step instead of one per depth; the engine keeps them)
     window: int = 8                       # measurements each cost's median is taken over
     keep: float = 0.875                   # per round, how much of the old acceptance evidence stays
     probe_every: int = 8
@@ -116,6 +118,7 @@ class SpecPolicy:
         while len(seen) > self.window:
             seen.popleft()
         self._medians.pop(id(seen), None)
+        self._medians.pop("fixed", None)
 
     def _median(self, seen: deque) -> float:
         """A cost's median, computed again only after a new measurement: the policy asks for it every
@@ -136,7 +139,11 @@ class SpecPolicy:
 
     @property
     def fixed_s(self) -> dict:
-        return {n: self._median(seen) for n, seen in self._fixed.items()}
+        """{verify key: median fixed cost}, built again only after a new measurement (do not modify)."""
+        m = self._medians.get("fixed")
+        if m is None:
+            m = self._medians["fixed"] = {n: self._median(seen) for n, seen in self._fixed.items()}
+        return m
 
     def acceptance(self) -> float:
         """Per-token acceptance rate; 0.5 (no evidence either way) before any round."""
@@ -150,6 +157,8 @@ class SpecPolicy:
     def _nodes(self, depth: int) -> int:
         if self._graphs is not None:
             return self._graphs[depth - 1]
+        if self.verify_graphs is not None:
+            return self.verify_graphs(self.max_depth)[depth - 1]
         return self.verify_nodes(depth) if callable(self.verify_nodes) else 0
 
     def _costs(self) -> tuple | None:
@@ -280,7 +289,8 @@ class SpecPolicy:
         """Depth of the next step's draft; 0 = a plain decode step."""
         # each depth's verify graph, asked once for the whole decision (it was asked ~18 times a step:
         # ~40 of a policy's ~60 µs a step on the embedded pair)
-        self._graphs = tuple(self._nodes(d) for d in range(1, self.max_depth + 1))  # (None between calls)
+        self._graphs = (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None  # (None
+                        else tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))           # between calls)
         try:
             d = self._choose()
         finally:
@@ -288,11 +298,12 @@ class SpecPolicy:
         self.decisions.append(d)
         return d
 
-    def plan(self) -> int:
-        """The depth the estimates favour now, 0 when a plain step beats every round (or unknown)."""
+    def plan(self, best: tuple | None = None) -> int:
+        """The depth the estimates favour now, 0 when a plain step beats every round (or unknown);
+        best: best_depth()'s answer, when the caller has it."""
         if self.decode_s is None:
             return 0
-        depth, rate = self.best_depth()
+        depth, rate = self.best_depth() if best is None else best
         # switching costs what neither estimate holds (the first step of a kind pays for the caches
         # holding the other session's weights): a clear win is asked for before leaving plain decoding
         need = self.margin * (1 + self.hysteresis if self._last == "plain" else 1)
@@ -320,7 +331,8 @@ class SpecPolicy:
         if self._probe_depth:  # a probe's second round: the one whose costs are kept
             depth, self._probe_depth = self._probe_depth, 0
             return depth
-        depth = self.plan()
+        best = self.best_depth()
+        depth = self.plan(best)
         if depth:
             self._probe_interval = self.probe_every
             if self._spec_run >= self._refresh_interval:
@@ -329,12 +341,12 @@ class SpecPolicy:
                 return 0
             return depth
         if self._guessed:  # guesses came: a probe only where they leave rounds near paying
-            worth = self.best_depth()[1] * self.decode_s >= self.guess_near * self.margin
+            worth = best[1] * self.decode_s >= self.guess_near * self.margin
         else:  # for guesses that never came
             worth = not self.guessing or self._plain_run >= 2 * self.guess_every
         if worth and self._plain_run >= self._probe_interval and self._plain_run >= self.budget_interval():
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-            self._probe_depth = self.best_depth()[0] or self.measuring_depth()
+            self._probe_depth = best[0] or self.measuring_depth()
             return self._probe_depth
         return 0
 

@@ -335,12 +335,12 @@ def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
     assert out == hybrid_npu.load(eagle3_export).generate(prompt, 40, stop_at_eos=False, speculative=False)
     policy = generation.policy_for(engine)
     k = policy.guesses_per_catch_up
-    # 39 plain tokens: a catch-up at 32 (its last k scored), with the 19 prompt pairs and the first
-    # token's before them (the drafter is shown pairs when next needed); the last 7 wait for the next
-    # need, here a catch-up asked for (all 7 scored)
-    assert [len(t) for t, _, g in pairs if g] == [52] and len(scored) == k
+    # the prompt's 19 pairs at the end of the prefill; 39 plain tokens: a catch-up at 32 (its last k
+    # scored) with the first token's pair before them; the last 7 wait for the drafter's next use,
+    # here a catch-up asked for (all 7 scored)
+    assert [(len(t), g) for t, _, g in pairs] == [(19, 0), (33, k + 1)] and len(scored) == k
     generation.catch_up_drafter(engine, policy)
-    assert [len(t) for t, _, g in pairs if g] == [52, 7] and len(scored) == k + 7
+    assert [(len(t), g) for t, _, g in pairs][2:] == [(7, 7)] and len(scored) == k + 7
     from hybrid_npu.runtime.eagle3 import Eagle3Drafter
     ref, hits = Eagle3Drafter(eagle3_export / "drafter"), []
     for tokens, features, guessed in pairs:
@@ -418,7 +418,7 @@ def test_a_long_prompt_is_observed_only_where_the_drafter_reads_it(eagle3_export
     engine.prefill_logits(prompt)
     assert observed == [] and len(engine.drafter_feed) == len(prompt) - 1  # (the last tap waits)
     assert engine.generate(prompt, 24, stop_at_eos=False) == plain
-    assert observed[0] == keep  # the prompt's last pairs and the first token's, at the first round
+    assert observed[0] == keep  # the prompt's last pairs, at the end of the prefill
     # the pairs it skipped and kept are the prompt's: a drafter shown all of them, the skipped ones
     # first, then the kept ones in the same call, proposes the same tree
     from hybrid_npu.runtime.eagle3 import Eagle3Drafter

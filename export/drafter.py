@@ -50,6 +50,7 @@ from hybrid_npu.kernels.rope import emit_partial_rope
 from .checkpoint import PICKLE_SUFFIXES, read_config_json
 from .manifest import value_infos
 from .safetensors_io import SafetensorsFile
+from .quantize import QuantSpec, plan_quantized_linear
 from .weights import WeightPlan
 
 EAGLE3, SPECULATORS = "eagle3", "speculators"
@@ -59,11 +60,34 @@ VOCAB_FILE = "vocab.safetensors"  # draft_to_target int64 [Vd]: target id of eac
 PAST, MASK_LEN, N, M = PAST_DIM, MASK_DIM, "n", "m"
 
 
-def drafter_weight_plan(load, dtype: str) -> WeightPlan:
-    """A drafter's weights, stored as `dtype` ("fp32" | "fp16"); any other is one line."""
+def drafter_weight_plan(load, dtype: str, quant: QuantSpec | None = None) -> WeightPlan:
+    """A drafter's weights, stored as `dtype` ("fp32" | "fp16"); any other is one line. quant: its
+    linear layers block-quantised as the target's (MatMulNBits, the head at quant.head_bits). At the
+    real size a float drafter reads more bytes a draft level than an int4 target's decode step
+    (docs/speculation.md), so a quantised target ships a drafter quantised alike."""
     if dtype not in STORAGE_DTYPES:
         raise UserError(f"drafter dtype {dtype!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
-    return WeightPlan(load, STORAGE_DTYPES[dtype])
+    return WeightPlan(load, STORAGE_DTYPES[dtype], quant=quant)
+
+
+def drafter_linear(g: GraphBuilder, plan: WeightPlan, x: str, name: str, sources: list[str], in_dim: int,
+                   out_dims: list[int], head: bool = False) -> str:
+    """x @ the sources' stacked [Σout, in] matrix^T: Gemm over the float matrix, or MatMulNBits over
+    its block-quantised form when the plan quantises (head: at the head's bits)."""
+    q = plan.quant
+    if q is None:
+        return g.op("Gemm", x, weight_input(g, plan, plan.linear_weight(name, sources, in_dim, out_dims)), transB=1)
+    ql = plan_quantized_linear(plan, name, sources, in_dim, out_dims, q.head_bits if head else q.bits, q)
+    for stored in (ql.b, ql.scales, ql.zero_points):
+        if stored:
+            g.weight(stored, plan.entries[stored].shape, plan.entries[stored].dtype)
+    return g.matmul_nbits(x, ql.b, ql.scales, ql.zero_points, k=ql.k, n=ql.n, bits=ql.bits, block_size=ql.block_size)
+
+
+def weights_entry(plan: WeightPlan, weights_file: str, dtype: str) -> dict:
+    """The drafter manifest's "weights": its file, size, float dtype and quantisation (None: float)."""
+    return {"file": weights_file, "bytes": plan.total_bytes(), "dtype": dtype,
+            "quant": None if plan.quant is None else plan.quant.to_manifest()}
 
 
 def weight_input(g: GraphBuilder, plan: WeightPlan, stored: str) -> str:
@@ -344,15 +368,14 @@ class _Graphs:
     def norm(self, g, x: str, name: str) -> str:
         return emit_rmsnorm(g, x, self.vec(g, name), self.cfg.rms_norm_eps)
 
-    def linear(self, g, x: str, name: str, sources: list[str], bias: list[str] | None = None) -> list[str]:
+    def linear(self, g, x: str, name: str, sources: list[str], bias: list[str] | None = None,
+               head: bool = False) -> list[str]:
         outs = [self.ck.shapes[s][0] for s in sources]
-        w = self.w(g, self.plan.linear_weight(name, sources, self.ck.shapes[sources[0]][1], outs))
+        y = drafter_linear(g, self.plan, x, name, sources, self.ck.shapes[sources[0]][1], outs, head)
         if bias:
             b = self.w(g, self.plan.add(name + ".bias", (sum(outs),),
                                         lambda: np.concatenate([self.ck.load(s) for s in bias]).astype(np.float32)))
-            y = g.op("Gemm", x, w, b, transB=1)
-        else:
-            y = g.op("Gemm", x, w, transB=1)
+            y = g.op("Add", y, b)
         return [y] if len(outs) == 1 else g.split(y, outs, axis=-1)
 
     def fc(self) -> GraphBuilder:
@@ -405,7 +428,7 @@ class _Graphs:
                                [m + "gate_proj.weight", m + "up_proj.weight"])
         x = g.op("Add", x, self.linear(g, g.op("Mul", g.silu(gate), up), m + "down_proj", [m + "down_proj.weight"])[0])
         xn = self.norm(g, x, "norm.weight")
-        logits = self.linear(g, xn if c.final_norm else x, "lm_head", ["lm_head.weight"])[0]
+        logits = self.linear(g, xn if c.final_norm else x, "lm_head", ["lm_head.weight"], head=True)[0]
         g.output(logits, "logits", np.float32, [M, c.draft_vocab_size])
         g.output(xn if c.feed_back_normed else x, "hidden", np.float32, [M, h])
         g.output(new_k, "new_key", np.float32, [nkv, N, hd])
@@ -418,12 +441,12 @@ def build_drafter_graphs(ck: DrafterCheckpoint, plan: WeightPlan) -> dict[str, G
     return {"drafter_fc": b.fc(), "drafter": b.step()}
 
 
-def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32") -> dict:
+def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32", quant: QuantSpec | None = None) -> dict:
     """Write drafter_fc.onnx, drafter.onnx, drafter_weights.bin, vocab.safetensors and drafter.json
-    into out_dir; returns the manifest (also written as drafter.json)."""
+    into out_dir; returns the manifest (also written as drafter.json). quant: drafter_weight_plan."""
     from safetensors.numpy import save_file
 
-    plan = drafter_weight_plan(ck.load, dtype)
+    plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     graphs = write_drafter_files(out, plan, build_drafter_graphs(ck, plan), WEIGHTS_FILE)
@@ -433,7 +456,7 @@ def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32") -> dict:
         "format": FORMAT, "source": str(ck.path), "config": {**asdict(c), "tap_layers": list(c.tap_layers)},
         "taps": {"convention": "residual stream entering target layers", "layers": list(c.tap_layers),
                  "source": c.tap_source, "input_order": list(ck.target_tap_layers)},
-        "graphs": graphs, "weights": {"file": WEIGHTS_FILE, "bytes": plan.total_bytes(), "dtype": dtype},
+        "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
         "vocab": {"file": VOCAB_FILE, "tensor": "draft_to_target", "draft_vocab_size": c.draft_vocab_size,
                   "target_vocab_size": c.vocab_size},
     }

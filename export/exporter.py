@@ -124,11 +124,12 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
         if mck is not None:
             say(f"exporting the MTP drafter (mtp.* of {mck.source}, reading the residual after layer "
                 f"{ck.config.num_layers - 1})")
-            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype)}
+            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype, plan.quant)}
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
-            shipped[EAGLE3_KIND] = {"dir": DRAFTER_DIR, "kind": EAGLE3_KIND, **export_drafter(dck, tmp / DRAFTER_DIR, plan.dtype)}
+            shipped[EAGLE3_KIND] = {"dir": DRAFTER_DIR, "kind": EAGLE3_KIND, **export_drafter(dck, tmp / DRAFTER_DIR, plan.dtype,
+                                                                                        plan.quant)}
         if shipped:  # the default drafter (EAGLE-3 when both), and every drafter by kind
             manifest["drafter"] = shipped.get(EAGLE3_KIND) or shipped[MTP_KIND]
             manifest["drafters"] = {kind: entry["dir"] for kind, entry in shipped.items()}

@@ -37,7 +37,7 @@ from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
 
-from .drafter import drafter_step_inputs, drafter_weight_plan, weight_input, write_drafter_files
+from .drafter import drafter_linear, drafter_step_inputs, drafter_weight_plan, weight_input, weights_entry, write_drafter_files
 from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
 
@@ -148,10 +148,9 @@ class _Graphs:
         w = self.w(g, self.plan.vector(name, self.ck.shapes[name][0]))
         return emit_rmsnorm_1p_cpu(g, x, w, self.c.rms_norm_eps)
 
-    def linear(self, g, x: str, name: str, sources: list[str]) -> list[str]:
+    def linear(self, g, x: str, name: str, sources: list[str], head: bool = False) -> list[str]:
         outs = [self.ck.shapes[s][0] for s in sources]
-        y = g.op("Gemm", x, self.w(g, self.plan.linear_weight(name, sources, self.ck.shapes[sources[0]][1], outs)),
-                 transB=1)
+        y = drafter_linear(g, self.plan, x, name, sources, self.ck.shapes[sources[0]][1], outs, head)
         return [y] if len(outs) == 1 else g.split(y, outs, axis=-1)
 
     def hidden_in(self) -> GraphBuilder:
@@ -187,8 +186,10 @@ class _Graphs:
                                        [MLP + "down_proj.weight"])[0])
         out = self.norm(g, x, P + "norm.weight")
         src = "lm_head.weight" if "lm_head.weight" in self.ck.shapes else "embed_tokens.weight"  # tied: one copy
-        head = self.w(g, self.plan.table(src, self.ck.shapes[src]))
-        logits = g.op("Gemm", out, head, transB=1)
+        if self.plan.quant is None:
+            logits = g.op("Gemm", out, self.w(g, self.plan.table(src, self.ck.shapes[src])), transB=1)
+        else:  # its own block-quantised copy (the table stays for the embedding's Gather)
+            logits = self.linear(g, out, "lm_head", [src], head=True)[0]
         g.output(logits, "logits", np.float32, [M, c.vocab_size])
         g.output(out, "hidden", np.float32, [M, H])
         g.output(new_k, "new_key", np.float32, [nkv, N, hd])
@@ -196,10 +197,10 @@ class _Graphs:
         return g
 
 
-def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32") -> dict:
+def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> dict:
     """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir;
-    returns the manifest."""
-    plan = drafter_weight_plan(ck.load, dtype)
+    returns the manifest. quant: the target's QuantSpec (export/drafter.py drafter_weight_plan)."""
+    plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     b = _Graphs(ck, plan)
@@ -209,7 +210,7 @@ def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32") -> dict:
         "format": DRAFTER_FORMAT, "kind": KIND, "source": str(ck.source), "config": asdict(c),
         "taps": {"convention": "residual stream after the last target layer (before the final norm)",
                  "layers": [c.num_layers], "input_order": [c.num_layers]},
-        "graphs": graphs, "weights": {"file": WEIGHTS_FILE, "bytes": plan.total_bytes(), "dtype": dtype},
+        "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
     }
     (out / DRAFTER_MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest

@@ -11,6 +11,12 @@ E(d) = (1 - a^(d+1)) / (1 - a) tokens per round and costs verify(size holding d 
 d x draft; speed-up = max over d of E(d) / (round cost / decode step). The draft cost per level
 is an assumption (--draft-fraction of a decode step; an EAGLE-3 drafter is one layer and a head).
 
+--drafter-weights float,int8,int4: also measure what a draft level costs (one drafter call after
+512 observed positions, the mean of a depth-6 chain's five) for a random EAGLE-3 drafter shaped
+for the target (one layer mirroring its attention and MLP, --draft-vocab ids, the embedding the
+target's), exported at each weights mode (int: the target's QuantSpec); the modelled speed-ups
+are then also given with that measured draft cost in place of --draft-fraction.
+
 --model embedded-shape: the embedded default model's shape (8 layers, hidden 256, vocab 4096),
 random weights: what the sized verify would cost there (the shipped export has only the static
 16-node verify). --clock thread (with --threads 1): the calling thread's CPU time, where ONNX
@@ -30,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from random_checkpoint import make_random_checkpoint  # noqa: E402
+from random_checkpoint import make_random_checkpoint, make_random_drafter  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 # the embedded default model's shape (src/hybrid_npu/models/default/model.json), on the 0.8B base
@@ -66,6 +72,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-fraction", type=float, default=0.1)
+    ap.add_argument("--drafter-weights", default="", help="e.g. float,int8,int4 (default: none)")
+    ap.add_argument("--draft-vocab", type=int, default=32768)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     import hybrid_npu
@@ -91,6 +99,7 @@ def main() -> int:
     sizes = [m for m in engine.manifest["graphs"]["cpu_verify"]["sizes"] if m <= 16]
     trees = {m: Tree([int(t) for t in rng.integers(0, cfg.vocab_size, m)], [-1] + list(range(m - 1))) for m in sizes}
     verify = engine.pipelines["verify"]
+    drafters = {mode: open_drafter(engine, src, args, mode) for mode in args.drafter_weights.split(",") if mode}
     result = {"machine": platform.machine(), "model": f"Qwen3.5-{args.model} config, random weights",
               "weights": args.weights, "threads": args.threads, "clock": args.clock, "repeats": args.repeats,
               "note": "machine shared with other jobs; calls interleaved, best of repeats", "contexts": []}
@@ -98,6 +107,12 @@ def main() -> int:
         engine.prefill_logits([int(t) for t in rng.integers(0, cfg.vocab_size, max(context, 1))])
         verify.run(tree_feed(cfg, engine.state, trees[sizes[0]]))  # opens and warms the session
         best = {m: 1e9 for m in [1] + sizes}
+        for d in drafters.values():  # 512 positions of context (its window), then the rows it drafts from
+            d.reset()
+            d.observe([int(t) for t in rng.integers(0, cfg.vocab_size, 512)],
+                      rng.standard_normal((512, d.tap_width)).astype(np.float32))
+            d._propose_chain(2)  # warm
+        level = {mode: 1e9 for mode in drafters}
         for _ in range(args.repeats):
             t = clock()
             engine.pipelines["decode"].run(chain_feed(cfg, engine.state, [5], 1))
@@ -106,6 +121,10 @@ def main() -> int:
                 t = clock()
                 verify.run(tree_feed(cfg, engine.state, trees[m]))
                 best[m] = min(best[m], clock() - t)
+            for mode, d in drafters.items():
+                t = clock()
+                d._propose_chain(6)  # five drafter calls (the first level is the observe's logits)
+                level[mode] = min(level[mode], (clock() - t) / 5)
         decode = best[1]
         costs = {m: best[m] for m in sizes}
         row = {"context": context, "ms": {str(k): round(1e3 * v, 2) for k, v in best.items()},
@@ -113,10 +132,37 @@ def main() -> int:
                "modelled": {"draft_fraction_of_decode": args.draft_fraction,
                             **{f"a={a}": modelled_speedup(costs, decode, a, args.draft_fraction)
                                for a in (0.6, 0.7, 0.8)}}}
+        for mode, d in drafters.items():
+            frac = level[mode] / decode
+            row.setdefault("drafters", {})[mode] = {
+                "draft_vocab": args.draft_vocab, "weights_bytes": d.weights_bytes,
+                "draft_level_ms": round(1e3 * level[mode], 2), "draft_level_over_decode": round(frac, 3),
+                "modelled": {f"a={a}": modelled_speedup(costs, decode, a, frac) for a in (0.6, 0.7, 0.8)}}
         result["contexts"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     bench_json.emit(result, args.out)
     return 0
+
+
+def open_drafter(engine, src: Path, args, mode: str):
+    """A random real-shape EAGLE-3 drafter exported at weights `mode` (int: the target's QuantSpec)."""
+    from hybrid_npu.export.checkpoint import read_checkpoint
+    from hybrid_npu.export.drafter import export_drafter, read_drafter
+    from hybrid_npu.export.quantize import QuantSpec
+    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+
+    ck_dir = make_random_drafter(engine.config, args.workdir / f"drafter-{args.model}-v{args.draft_vocab}",
+                                 args.draft_vocab)
+    target = read_checkpoint(src)
+    ck = read_drafter(ck_dir, engine.config, lambda: target.load("embed_tokens.weight"))
+    q = engine.manifest["weights"]
+    quant = None if mode == "float" else QuantSpec(bits=int(mode[3:]), block_size=q.get("block_size", 32),
+                                                   symmetric=q.get("symmetric", True), head_bits=q.get("head_bits", 8))
+    out = args.workdir / f"drafter-{args.model}-v{args.draft_vocab}-{mode}"
+    manifest = export_drafter(ck, out, "fp32", quant)
+    d = Eagle3Drafter(out, threads=args.threads)
+    d.weights_bytes = manifest["weights"]["bytes"]
+    return d
 
 
 if __name__ == "__main__":

@@ -48,6 +48,53 @@ def make_random_checkpoint(name: str, out: Path, seed: int = 0, **overrides) -> 
     return out
 
 
+def make_random_drafter(target_cfg, out: Path, draft_vocab: int, seed: int = 0) -> Path:
+    """Write (once) a random EAGLE-3 drafter (official layout: midlayer.*, fc, norm, lm_head, d2t,
+    t2d; the embedding is the target's) shaped for `target_cfg` (a hybrid_npu ModelConfig): one
+    layer mirroring the target's attention and MLP sizes, as SpecForge's Qwen drafters do, over a
+    draft vocabulary of the first `draft_vocab` target ids. For timing, not for drafting."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    marker = out / "random_drafter.json"
+    want = {"target_hidden": target_cfg.hidden_size, "draft_vocab": draft_vocab, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return out
+    c = target_cfg
+    h, nh, nkv, hd, inter, V = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                c.intermediate_size, c.vocab_size)
+    taps = list(c.tap_layers)
+    rng = np.random.default_rng(seed)
+
+    def mat(o, i):
+        return (rng.standard_normal((o, i), np.float32) / np.sqrt(i)).astype(np.float32)
+
+    m = "midlayer."
+    w = {"fc.weight": mat(h, len(taps) * h), "norm.weight": np.ones(h, np.float32), "lm_head.weight": mat(draft_vocab, h),
+         m + "input_layernorm.weight": np.ones(h, np.float32), m + "hidden_norm.weight": np.ones(h, np.float32),
+         m + "post_attention_layernorm.weight": np.ones(h, np.float32),
+         m + "self_attn.q_proj.weight": mat(nh * hd, 2 * h), m + "self_attn.k_proj.weight": mat(nkv * hd, 2 * h),
+         m + "self_attn.v_proj.weight": mat(nkv * hd, 2 * h), m + "self_attn.o_proj.weight": mat(h, nh * hd),
+         m + "mlp.gate_proj.weight": mat(inter, h), m + "mlp.up_proj.weight": mat(inter, h),
+         m + "mlp.down_proj.weight": mat(h, inter)}
+    used = np.arange(draft_vocab, dtype=np.int64)
+    w["d2t"] = used - np.arange(draft_vocab)
+    t2d = np.zeros(V, bool)
+    t2d[used] = True
+    w["t2d"] = t2d
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(out / "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+           "num_hidden_layers": 1, "hidden_size": h, "num_attention_heads": nh, "num_key_value_heads": nkv,
+           "head_dim": hd, "intermediate_size": inter, "vocab_size": V, "draft_vocab_size": draft_vocab,
+           "target_hidden_size": h, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+           "tie_word_embeddings": False, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in taps]}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    marker.write_text(json.dumps(want))
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(REAL_TEXT_CONFIGS))

@@ -426,3 +426,56 @@ def test_top_k_stable_is_the_stable_full_sort_prefix_with_ties():
         scores = rng.integers(0, 6, size=shape).astype(np.float32)  # many ties
         want = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
         np.testing.assert_array_equal(top_k_stable(scores, k), want)
+
+
+# ------------------------------------------------------------------------ quantised drafter
+def _fp32_compute(out_dir):
+    """MatMulNBits multiplying in fp32 (accuracy_level 0), weights untouched: against a float
+    drafter on the dequantised weights the only difference left is summation order."""
+    import onnx
+
+    for path in out_dir.glob("*.onnx"):
+        model = onnx.load(str(path), load_external_data=False)
+        for node in model.graph.node:
+            for attr in node.attribute:
+                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
+                    attr.i = 0
+        onnx.save_model(model, str(path))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantised_drafter_is_the_float_drafter_on_its_dequantised_weights(tmp_path, bits):
+    """export_drafter(quant=...) stores every linear layer block-quantised (MatMulNBits; the head at
+    head_bits, the embedding fp16) and no float copy; with fp32 compute it equals the float drafter
+    exported from the dequantised weights, and as shipped it drafts a valid tree."""
+    import onnx
+    from hybrid_npu.export.quantize import QuantSpec, dequantize_blockwise, quantize_blockwise
+
+    spec = QuantSpec(bits=bits, block_size=16)
+    w = dfx.drafter_weights(seed=0)
+    ck = read_drafter(dfx.write_eagle3(tmp_path / "src", w), TARGET)
+    manifest = export_drafter(ck, tmp_path / "q", quant=spec)
+    assert manifest["weights"]["quant"] == spec.to_manifest()
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "q" / "drafter.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 5 and "Gemm" not in ops  # qkv, o, gate|up, down, head
+    shipped = Eagle3Drafter(tmp_path / "q")
+
+    def round_trip(m, b):
+        return dequantize_blockwise(*quantize_blockwise(m, b, spec.block_size, spec.symmetric), b, m.shape[1])
+
+    rt = {k: (round_trip(v, spec.head_bits if k == "lm_head.weight" else bits) if k.endswith("proj.weight")
+              or k in ("fc.weight", "lm_head.weight") else v) for k, v in w.items()}
+    rt["embed_tokens.weight"] = w["embed_tokens.weight"].astype(np.float16).astype(np.float32)
+    export_drafter(read_drafter(dfx.write_eagle3(tmp_path / "rt", rt), TARGET), tmp_path / "rt.out")
+    _fp32_compute(tmp_path / "q")
+    exact, ref = Eagle3Drafter(tmp_path / "q"), Eagle3Drafter(tmp_path / "rt.out")
+    taps, toks = taps_and_tokens(40)
+    for d in (exact, ref, shipped):
+        d.observe(toks[:33], taps[:33])
+        d.observe(toks[33:], taps[33:])
+    scale = max(1.0, np.abs(ref._logits).max())
+    close(exact._logits / scale, ref._logits / scale, 1e-4)
+    close(exact._hidden, ref._hidden, 1e-4 * max(1.0, np.abs(ref._hidden).max()))
+    assert exact.propose(toks[-1], 3, 3, 10) == ref.propose(toks[-1], 3, 3, 10)
+    tokens, parents = shipped.propose(toks[-1], 3, 3, 10)
+    assert len(tokens) == 10 and all(-1 <= p < i for i, p in enumerate(parents))

@@ -284,3 +284,49 @@ def test_training_module_computes_what_the_export_runs(mtp_export):
         past_k, past_v = ref["new_key"][:, : t + 1], ref["new_value"][:, : t + 1]
         chained = mtp_step_ref(w, c, ref["hidden"][t: t + 1], [ids[t + 2]], [t + 1], past_k, past_v, _causal(1, t + 1))
         _close(step1[0, t].numpy(), chained["logits"][0])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantised_mtp_head_is_the_reference_on_its_dequantised_weights(mtp_export, tmp_path, bits):
+    """A quantised target ships its MTP head quantised alike (export_mtp(quant=...)): every linear
+    layer and its own copy of the tied head block-quantised (MatMulNBits), the embedding table fp16;
+    with fp32 compute the head is the numpy reference on the dequantised weights."""
+    import onnx
+    from hybrid_npu.export.mtp_drafter import export_mtp
+    from hybrid_npu.export.quantize import QuantSpec, dequantize_blockwise, quantize_blockwise
+
+    root, _ = mtp_export
+    spec = QuantSpec(bits=bits, block_size=16)
+    manifest = export_mtp(read_mtp(read_checkpoint(root / "hf")), tmp_path / "q", quant=spec)
+    assert manifest["weights"]["quant"] == spec.to_manifest()
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "q" / "mtp.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 6 and "Gemm" not in ops  # fc, qkv, o, gate|up, down, head
+    for path in (tmp_path / "q").glob("*.onnx"):  # fp32 compute: the reference's arithmetic
+        model = onnx.load(str(path), load_external_data=False)
+        for node in model.graph.node:
+            for attr in node.attribute:
+                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
+                    attr.i = 0
+        onnx.save_model(model, str(path))
+    w, c = _weights(root / "hf")
+
+    def round_trip(m, b):
+        m = m.astype(np.float32)
+        return dequantize_blockwise(*quantize_blockwise(m, b, spec.block_size, spec.symmetric), b, m.shape[1])
+
+    table = w["embed_tokens.weight"]
+    w = {k: round_trip(v, bits).astype(np.float64) if k.endswith(("proj.weight", "fc.weight")) else v
+         for k, v in w.items()}
+    w["lm_head.weight"] = round_trip(table, spec.head_bits).astype(np.float64)  # tied: its own copy
+    w["embed_tokens.weight"] = table.astype(np.float16).astype(np.float64)
+    dr = MtpDrafter(tmp_path / "q")
+    rng = np.random.default_rng(1)
+    residuals = 2.0 * rng.standard_normal((12, c.hidden_size)).astype(np.float32)
+    ids = [int(t) for t in rng.integers(0, 300, 12)]
+    want = _ref_sequence(w, c, residuals, ids)
+    dr.observe(ids[:7], residuals[:7])
+    dr.observe(ids[7:], residuals[7:])
+    scale = max(1.0, np.abs(want["logits"][-1]).max())
+    _close(dr._logits / scale, want["logits"][-1] / scale)
+    _close(dr._hidden, want["hidden"][-1])
+    _close(dr.key[:, :12], want["new_key"][:, :12])

@@ -388,3 +388,23 @@ def test_bad_quantisation_flags_exit_2_in_one_line(text_tied, tmp_path, capsys, 
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and says in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_quantised_export_ships_its_drafter_quantised_alike(text_tied, tmp_path):
+    """--weights int4 with an EAGLE-3 drafter: the drafter's linear layers are int4 too (a float
+    drafter at the real size reads more a draft level than the int4 target's decode step), and
+    speculation with both quantised is still the target's own greedy output."""
+    import drafter_fixtures
+
+    src = drafter_fixtures.write_eagle3(tmp_path / "eagle3", drafter_fixtures.drafter_weights(seed=1, hidden_size=48,
+                                                                                              embed=False), hidden_size=48)
+    export(text_tied.src, tmp_path / "out", chunk=CHUNK, weights="int4", drafter=src)
+    target = json.loads((tmp_path / "out" / "model.json").read_text())["weights"]
+    drafter = json.loads((tmp_path / "out" / "drafter" / "drafter.json").read_text())["weights"]
+    assert drafter["quant"]["bits"] == 4 and drafter["quant"]["block_size"] == target["block_size"]
+    engine = hybrid_npu.load(tmp_path / "out")
+    engine.adaptive = False  # a round every step
+    ids = prompt(2 * CHUNK + 3, seed=5)
+    spec = engine.generate(ids, 32, stop_at_eos=False)
+    assert engine.last_stats["rounds"] > 0
+    assert spec == engine.generate(ids, 32, stop_at_eos=False, speculative=False)

@@ -512,3 +512,17 @@ def write_tokenizer_files(dir):
     }
     (dir_ / "special_tokens_map.json").write_text(json.dumps(stm, indent=2) + "\n")
     return dir_
+
+
+def fp32_compute(graphs_dir) -> None:
+    """Every MatMulNBits in graphs_dir/*.onnx multiplying in fp32 (accuracy_level 0), weights
+    untouched: against float weights dequantised the same way, only summation order differs."""
+    import onnx
+
+    for path in Path(graphs_dir).glob("*.onnx"):
+        model = onnx.load(str(path), load_external_data=False)
+        for node in model.graph.node:
+            for attr in node.attribute:
+                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
+                    attr.i = 0
+        onnx.save_model(model, str(path))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import drafter_fixtures as dfx
+import fixtures
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.drafter import export_drafter, read_drafter
 from hybrid_npu.runtime.eagle3 import Eagle3Drafter
@@ -429,20 +430,6 @@ def test_top_k_stable_is_the_stable_full_sort_prefix_with_ties():
 
 
 # ------------------------------------------------------------------------ quantised drafter
-def _fp32_compute(out_dir):
-    """MatMulNBits multiplying in fp32 (accuracy_level 0), weights untouched: against a float
-    drafter on the dequantised weights the only difference left is summation order."""
-    import onnx
-
-    for path in out_dir.glob("*.onnx"):
-        model = onnx.load(str(path), load_external_data=False)
-        for node in model.graph.node:
-            for attr in node.attribute:
-                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
-                    attr.i = 0
-        onnx.save_model(model, str(path))
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantised_drafter_is_the_float_drafter_on_its_dequantised_weights(tmp_path, bits):
     """export_drafter(quant=...) stores every linear layer block-quantised (MatMulNBits; the head at
@@ -467,7 +454,7 @@ def test_quantised_drafter_is_the_float_drafter_on_its_dequantised_weights(tmp_p
               or k in ("fc.weight", "lm_head.weight") else v) for k, v in w.items()}
     rt["embed_tokens.weight"] = w["embed_tokens.weight"].astype(np.float16).astype(np.float32)
     export_drafter(read_drafter(dfx.write_eagle3(tmp_path / "rt", rt), TARGET), tmp_path / "rt.out")
-    _fp32_compute(tmp_path / "q")
+    fixtures.fp32_compute(tmp_path / "q")
     exact, ref = Eagle3Drafter(tmp_path / "q"), Eagle3Drafter(tmp_path / "rt.out")
     taps, toks = taps_and_tokens(40)
     for d in (exact, ref, shipped):

@@ -301,13 +301,7 @@ def test_quantised_mtp_head_is_the_reference_on_its_dequantised_weights(mtp_expo
     assert manifest["weights"]["quant"] == spec.to_manifest()
     ops = [n.op_type for n in onnx.load(str(tmp_path / "q" / "mtp.onnx"), load_external_data=False).graph.node]
     assert ops.count("MatMulNBits") == 6 and "Gemm" not in ops  # fc, qkv, o, gate|up, down, head
-    for path in (tmp_path / "q").glob("*.onnx"):  # fp32 compute: the reference's arithmetic
-        model = onnx.load(str(path), load_external_data=False)
-        for node in model.graph.node:
-            for attr in node.attribute:
-                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
-                    attr.i = 0
-        onnx.save_model(model, str(path))
+    fixtures.fp32_compute(tmp_path / "q")  # the reference's arithmetic
     w, c = _weights(root / "hf")
 
     def round_trip(m, b):

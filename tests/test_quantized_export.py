@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import CHUNK
 
+import fixtures
 import hybrid_npu
 from hybrid_npu.config import ModelConfig
 from hybrid_npu import integrity
@@ -122,13 +123,7 @@ def untied_int4(text_untied, tmp_path_factory):
 def fp32_compute_copy(export_dir, dest):
     """The same export with MatMulNBits multiplying in fp32 (accuracy_level 0), weights untouched."""
     shutil.copytree(export_dir, dest)
-    for path in (dest / "graphs").glob("*.onnx"):
-        model = onnx.load(str(path), load_external_data=False)
-        for node in model.graph.node:
-            for attr in node.attribute:
-                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
-                    attr.i = 0
-        onnx.save_model(model, str(path))
+    fixtures.fp32_compute(dest / "graphs")
     manifest = json.loads((dest / "model.json").read_text())
     manifest["integrity"] = integrity.record(dest)  # the graphs were edited on purpose: hash them again
     (dest / "model.json").write_text(json.dumps(manifest))

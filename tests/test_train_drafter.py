@@ -27,6 +27,7 @@ from eagle3_train import collate, ttt_loss  # noqa: E402
 import hybrid_npu  # noqa: E402
 from hybrid_npu.export.drafter import export_drafter, read_drafter  # noqa: E402
 from hybrid_npu.runtime.eagle3 import Eagle3Drafter  # noqa: E402
+from hybrid_npu.runtime.generation import catch_up_drafter  # noqa: E402
 
 TAPS = dfx.target_config().tap_layers
 
@@ -91,6 +92,7 @@ def test_trainer_features_are_the_runtime_taps(text_tied):
     for seq in seqs:
         assert len(seq.ids) > seq.prompt_len + 2      # prefill and decode-step features both checked
         logits = engine.prefill_logits([int(t) for t in seq.ids])
+        catch_up_drafter(engine)                      # the pairs wait for the drafter's next use: here
         runtime = np.concatenate(rec.feats)           # taps of positions 0..n-2 (the last one waits)
         np.testing.assert_allclose(seq.taps[:-1], runtime, atol=2e-4, rtol=1e-3)
         assert seq.argmax[-1] == int(np.argmax(logits))

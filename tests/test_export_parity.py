@@ -47,22 +47,33 @@ def test_64_greedy_tokens_equal_transformers_generate(fixture, request):
     assert ours == hf
 
 
-def close(got, want, rel=1e-4):
-    """Max abs error within rel·max|want| (fp32 against a float64 reference)."""
+def close(got, want, rel=1e-4, fp32_peer=None):
+    """Max abs error within rel·max|want| (fp32 against a float64 reference). Where transformers'
+    own fp32 run (fp32_peer) is further off than that, as on an ill-conditioned prompt through a
+    random fixture, ours may be up to 4× transformers' error: over 40 prompts our error was a median
+    1.02× and at most 5.4× transformers' fp32 (all those under the 1e-4 bound), see docs/qwen35-model.md."""
     err = np.abs(got - want).max()
-    assert err <= rel * max(np.abs(want).max(), 1e-3), (err, np.abs(want).max())
+    bound = rel * max(np.abs(want).max(), 1e-3)
+    if fp32_peer is not None:
+        bound = max(bound, 4 * np.abs(fp32_peer - want).max())
+    assert err <= bound, (err, bound, np.abs(want).max())
 
 
 def assert_state_matches_float64_transformers(engine, ref, ids):
     with torch.no_grad():
         cache = copy.deepcopy(ref).double()(torch.tensor([ids]), use_cache=True).past_key_values
+        peer = ref(torch.tensor([ids]), use_cache=True).past_key_values  # transformers in fp32
     k = engine.config.linear_conv_kernel_dim
     for i, layer in engine.state.gdn.items():
-        close(layer.conv, cache.layers[i].conv_states[0][0, :, -(k - 1):].numpy())
-        close(layer.recurrent, cache.layers[i].recurrent_states[0][0].numpy())
+        close(layer.conv, cache.layers[i].conv_states[0][0, :, -(k - 1):].numpy(),
+              fp32_peer=peer.layers[i].conv_states[0][0, :, -(k - 1):].double().numpy())
+        close(layer.recurrent, cache.layers[i].recurrent_states[0][0].numpy(),
+              fp32_peer=peer.layers[i].recurrent_states[0][0].double().numpy())
     for i, layer in engine.state.attention.items():
-        close(layer.key[:, :len(ids)], cache.layers[i].keys[0].numpy())
-        close(layer.values(len(ids)), cache.layers[i].values[0].numpy())
+        close(layer.key[:, :len(ids)], cache.layers[i].keys[0].numpy(),
+              fp32_peer=peer.layers[i].keys[0].double().numpy())
+        close(layer.values(len(ids)), cache.layers[i].values[0].numpy(),
+              fp32_peer=peer.layers[i].values[0].double().numpy())
     assert engine.state.position == len(ids) and engine.state.tokens == ids
 
 

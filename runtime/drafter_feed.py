@@ -8,11 +8,18 @@ of plain decoding, only the last rows are needed: the older ones are skipped (dr
 computed. Observing every prompt token as it was prefilled cost 9-23% of the prefill at 1.5k-12k
 tokens on the embedded pair, whether or not a round ever ran (docs/speculation.md).
 
-A drafter without `skip`, or with every row visible (window None), is shown every pair.
+A drafter without `skip`, or with every row visible (window None), is shown every pair: past
+FLUSH_AT held pairs the older ones are observed then (a long plain run would otherwise hold a
+feature row per token, 12 kB each at the 0.8B target's EAGLE-3 width), the last HOLD_BACK kept for
+the catch-up's guesses.
 """
 from __future__ import annotations
 
 import numpy as np
+
+
+FLUSH_AT = 4096   # pairs held for a drafter that reads every row, before the older ones are observed
+HOLD_BACK = 64    # pairs a flush leaves for the catch-up (its guesses read the last few)
 
 
 class DrafterFeed:
@@ -37,12 +44,22 @@ class DrafterFeed:
         self.decoded += len(tokens) if decoded else 0
         if self.keep is not None and len(self._tokens) > 2 * self.keep:  # bound what is held
             self._trim()
+        elif self.keep is None and len(self._tokens) > FLUSH_AT and self.owner is not None:
+            self._flush()
 
     def _trim(self) -> None:
         drop = len(self._tokens) - self.keep
         features = np.concatenate(self._features)[drop:]
         self._tokens, self._features = self._tokens[drop:], [features]
         self.skipped += drop
+
+    def _flush(self) -> None:
+        """Show the owner all but the last HOLD_BACK pairs now: it reads every row, so none may be skipped."""
+        cut = len(self._tokens) - HOLD_BACK
+        features = np.concatenate(self._features)
+        self.owner.observe(self._tokens[:cut], features[:cut])
+        self._tokens, self._features = self._tokens[cut:], [features[cut:]]
+        self.decoded = min(self.decoded, HOLD_BACK)
 
     def take(self) -> tuple[int, list[int], np.ndarray]:
         """(pairs to skip, tokens, features [n, width]) to show the drafter, oldest first; empties the feed."""

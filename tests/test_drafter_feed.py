@@ -2,7 +2,7 @@
 a long run only the last context_rows are observed, the older ones skipped."""
 import numpy as np
 
-from hybrid_npu.runtime.drafter_feed import DrafterFeed, feed_for
+from hybrid_npu.runtime.drafter_feed import FLUSH_AT, HOLD_BACK, DrafterFeed, feed_for
 
 
 def pairs(n, start=0, width=3):
@@ -32,3 +32,26 @@ def test_a_feed_for_a_drafter_that_cannot_skip_keeps_every_pair():
     feed.add(*pairs(700))
     skipped, tokens, _ = feed.take()
     assert skipped == 0 and tokens == list(range(700))
+
+
+def test_a_drafter_that_cannot_skip_is_shown_a_long_run_as_it_grows_and_in_order():
+    """A long plain run is not held whole for a drafter that reads every row: past FLUSH_AT the older
+    pairs are observed, and observed + taken is every pair once, in order."""
+    class Observer:
+        def __init__(self):
+            self.tokens, self.features = [], []
+
+        def observe(self, tokens, features):
+            self.tokens += tokens
+            self.features.append(features)
+
+    owner = Observer()
+    feed = feed_for(owner)
+    n = 3 * FLUSH_AT + 17
+    for t in range(n):
+        feed.add(*pairs(1, t), decoded=True)
+        assert len(feed._tokens) <= FLUSH_AT
+    assert len(owner.tokens) >= 2 * FLUSH_AT and HOLD_BACK <= feed.decoded == len(feed._tokens)
+    skipped, tokens, features = feed.take()
+    assert skipped == 0 and owner.tokens + tokens == list(range(n))
+    assert np.array_equal(np.concatenate(owner.features + [features]), pairs(n)[1])

@@ -240,6 +240,30 @@ def test_skipped_rows_are_never_read(plain):
         Eagle3Drafter(outs["eagle3"], window=None).skip(3)
 
 
+def test_a_feed_flushed_into_a_drafter_that_reads_every_row_equals_one_observe(plain, monkeypatch):
+    """A window-None drafter cannot skip, so a long run's feed is observed as it grows (FLUSH_AT,
+    shrunk here): the drafter ends with the K/V, logits and trees of one observe of every pair."""
+    from hybrid_npu.runtime import drafter_feed
+    monkeypatch.setattr(drafter_feed, "FLUSH_AT", 100)
+    w, outs = plain
+    n = 300
+    taps, toks = taps_and_tokens(n)
+    flushed, ref = Eagle3Drafter(outs["eagle3"], window=None), Eagle3Drafter(outs["eagle3"], window=None)
+    feed = drafter_feed.feed_for(flushed)
+    for t in range(n):
+        feed.add(toks[t:t + 1], taps[t:t + 1], decoded=True)
+    assert 0 < flushed.length < n and len(feed._tokens) <= 100
+    skipped, tokens, features = feed.take()
+    assert skipped == 0
+    flushed.observe(tokens, features)
+    ref.observe(toks, taps)
+    assert flushed.length == ref.length == n
+    close(flushed._logits, ref._logits, 1e-5)
+    for name in ("key", "value"):
+        close(getattr(flushed, name)[:, :n], getattr(ref, name)[:, :n], 1e-5)
+    assert flushed.propose(toks[-1], 3, 4, 20) == ref.propose(toks[-1], 3, 4, 20)
+
+
 def test_both_layouts_give_identical_graphs_and_outputs(plain):
     w, outs = plain
     for f in ("drafter.onnx", "drafter_fc.onnx", "drafter_weights.bin", "vocab.safetensors"):

@@ -232,7 +232,7 @@ class Engine:
         the sized graph the smallest size that holds the largest tree the draft shape grows at that
         depth (EAGLE-2: top_k, then top_k² per further level), else its static N."""
         graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
-        if "npu_verify" in self.pipelines and self.state.position + n <= self.profile.attention_capacity:
+        if self._npu_verify_fits():
             return NPU_DEVICE, n
         sizes = graphs.get("cpu_verify", {}).get("sizes")
         if not sizes:
@@ -241,12 +241,15 @@ class Engine:
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
         return CPU_DEVICE, next((m for m in sizes if m >= real), n)
 
+    def _npu_verify_fits(self) -> bool:
+        """The NPU's static verify graph serves a round while the context and its N nodes fit T_max."""
+        n = self.manifest["graphs"]["verify"]["n"]
+        return "npu_verify" in self.pipelines and self.state.position + n <= self.profile.attention_capacity
+
     def verify_graphs(self, max_depth: int) -> tuple:
         """verify_graph of every depth 1..max_depth, as the speculation policy asks it each step: kept
         while the answer's inputs (where the NPU's graph fits, the draft shape) stay the same."""
-        n = self.manifest["graphs"]["verify"]["n"]
-        npu = "npu_verify" in self.pipelines and self.state.position + n <= self.profile.attention_capacity
-        key = (max_depth, npu, self.draft_shape["top_k"], self.draft_shape["total_tokens"])
+        key = (max_depth, self._npu_verify_fits(), self.draft_shape["top_k"], self.draft_shape["total_tokens"])
         if self._verify_graphs is None or self._verify_graphs[0] != key:
             self._verify_graphs = (key, tuple(self.verify_graph(d) for d in range(1, max_depth + 1)))
         return self._verify_graphs[1]

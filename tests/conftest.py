@@ -1,6 +1,8 @@
 """Shared, session-scoped fixtures: tiny checkpoints (built with transformers, offline) and their
 exports. Building is cheap (< 1 s each) but exports are reused across test files."""
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -9,7 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 # the integrity check's record of verified files goes to a scratch folder, not the user's cache
-os.environ.setdefault("HYBRID_NPU_CACHE", tempfile.mkdtemp(prefix="hybrid-npu-cache-"))
+if "HYBRID_NPU_CACHE" not in os.environ:
+    os.environ["HYBRID_NPU_CACHE"] = tempfile.mkdtemp(prefix="hybrid-npu-cache-")
+    atexit.register(shutil.rmtree, os.environ["HYBRID_NPU_CACHE"], ignore_errors=True)  # not one left per run
 
 import fixtures  # noqa: E402
 import torch  # noqa: E402

@@ -1,9 +1,9 @@
 """What a plain decode step costs in the steps right after a break from decode calls, against one in
 a run of them: why the speculation policy reads a decode step's cost only from a settled run.
 
-On the embedded pair after a 24-token prompt, each repeat runs `--settle` plain steps, then one
+On the embedded pair (or --model EXPORT, drafter or not, tokenizer or not) after a 24-token prompt, each repeat runs `--settle` plain steps, then one
 break, then `--after` timed plain steps (the state untouched: the same step each time). Breaks:
-nothing; the verify graph once (8 nodes); one draft (the drafter's chain); a full round (draft,
+nothing; the verify graph once (8 nodes; without a drafter, an 8-token chain); one draft (the drafter's chain); a full round (draft,
 verify, commit, drafter observe); `--sleep-ms` of sleep; as long a Python busy loop; a read of
 128 MB (the caches flushed). Each column is the median over the repeats of the k-th step after
 the break; "steady" is the median of the steps before breaks. A break that evicts nothing (a
@@ -45,12 +45,20 @@ def main() -> int:
     from hybrid_npu.runtime.speculative import Tree, tree_feed
 
     engine = hybrid_npu.load(args.model or hybrid_npu.default_model(), threads=args.threads)
-    engine.generate(source_tokens(engine.tokenizer, 64)[:24], 1, speculative=False)
-    catch_up_drafter(engine)
+    drafter = getattr(engine, "drafter", None)
+    if engine.tokenizer is not None:
+        prompt = source_tokens(engine.tokenizer, 64)[:24]
+    else:  # a random-weight export (no tokenizer): random tokens
+        prompt = [int(t) for t in np.random.default_rng(0).integers(0, engine.config.vocab_size, 24)]
+    engine.generate(prompt, 1, speculative=False)
     root = engine._pending[0]
     engine._pending = []
-    tokens, parents = engine.drafter.propose(root, **engine.draft_shape)
-    tree, _ = Tree.from_draft(root, tokens, parents, engine.verify_nodes(engine.draft_shape["depth"]))
+    if drafter is not None:
+        catch_up_drafter(engine)
+        tokens, parents = drafter.propose(root, **engine.draft_shape)
+        tree, _ = Tree.from_draft(root, tokens, parents, engine.verify_nodes(engine.draft_shape["depth"]))
+    else:  # no drafter: an 8-node chain of the root repeated stands for a draft
+        tree = Tree([root] * 8, [-1] + list(range(7)))
     feed = tree_feed(engine.config, engine.state, tree)
     flush = np.ones(128 * 2**18, np.float32)
     pause = args.sleep_ms / 1e3
@@ -65,8 +73,9 @@ def main() -> int:
         root = timed_round(engine, root)[1][-1]
 
     breaks = {"nothing": lambda: None, "verify": lambda: engine.pipelines["verify"].run(feed),
-              "draft": lambda: engine.drafter.propose(root, **engine.draft_shape), "round": round_,
               "sleep": lambda: time.sleep(pause), "busy_loop": busy, "read_128MB": lambda: flush.sum()}
+    if drafter is not None:
+        breaks.update(draft=lambda: drafter.propose(root, **engine.draft_shape), round=round_)
     after = {name: [[] for _ in range(args.after)] for name in breaks}
     steady = []
     for _ in range(args.repeats):

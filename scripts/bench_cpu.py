@@ -135,7 +135,8 @@ def bench_transformers(src: Path, threads: int, prompt: list[int], decode: int) 
             "decode_tokens_per_s": round(decode / decode_s, 2)}
 
 
-SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+              "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_model() -> dict:

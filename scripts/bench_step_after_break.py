@@ -29,9 +29,12 @@ import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --o
 from bench_speculative import machine  # noqa: E402
 from profile_speculative_round import source_tokens, timed_decode, timed_round  # noqa: E402
 
+from hybrid_npu.cli_common import OneLineParser, report  # noqa: E402
+
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="bench_step_after_break", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=25)
@@ -41,10 +44,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     import hybrid_npu
+    from hybrid_npu.errors import UserError
     from hybrid_npu.runtime.generation import catch_up_drafter
     from hybrid_npu.runtime.speculative import Tree, tree_feed
 
-    engine = hybrid_npu.load(args.model or hybrid_npu.default_model(), threads=args.threads)
+    try:
+        engine = hybrid_npu.load(args.model or hybrid_npu.default_model(), threads=args.threads)
+    except UserError as e:
+        return report("bench_step_after_break", e)
     drafter = getattr(engine, "drafter", None)
     if engine.tokenizer is not None:
         prompt = source_tokens(engine.tokenizer, 64)[:24]

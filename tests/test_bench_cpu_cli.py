@@ -55,3 +55,10 @@ def test_ab_arm_options():
             assert "bad option" in str(e)
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+def test_bench_step_after_break_refuses_a_missing_export_in_one_line(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPTS / "bench_step_after_break.py"), "--model", str(tmp_path / "none")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "model.json" in run.stderr

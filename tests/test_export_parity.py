@@ -64,16 +64,16 @@ def assert_state_matches_float64_transformers(engine, ref, ids):
         cache = copy.deepcopy(ref).double()(torch.tensor([ids]), use_cache=True).past_key_values
         peer = ref(torch.tensor([ids]), use_cache=True).past_key_values  # transformers in fp32
     k = engine.config.linear_conv_kernel_dim
+
+    def check(got, pick):  # pick: the same tensor out of either transformers cache
+        close(got, pick(cache).numpy(), fp32_peer=pick(peer).double().numpy())
+
     for i, layer in engine.state.gdn.items():
-        close(layer.conv, cache.layers[i].conv_states[0][0, :, -(k - 1):].numpy(),
-              fp32_peer=peer.layers[i].conv_states[0][0, :, -(k - 1):].double().numpy())
-        close(layer.recurrent, cache.layers[i].recurrent_states[0][0].numpy(),
-              fp32_peer=peer.layers[i].recurrent_states[0][0].double().numpy())
+        check(layer.conv, lambda c: c.layers[i].conv_states[0][0, :, -(k - 1):])
+        check(layer.recurrent, lambda c: c.layers[i].recurrent_states[0][0])
     for i, layer in engine.state.attention.items():
-        close(layer.key[:, :len(ids)], cache.layers[i].keys[0].numpy(),
-              fp32_peer=peer.layers[i].keys[0].double().numpy())
-        close(layer.values(len(ids)), cache.layers[i].values[0].numpy(),
-              fp32_peer=peer.layers[i].values[0].double().numpy())
+        check(layer.key[:, :len(ids)], lambda c: c.layers[i].keys[0])
+        check(layer.values(len(ids)), lambda c: c.layers[i].values[0])
     assert engine.state.position == len(ids) and engine.state.tokens == ids
 
 

@@ -1,5 +1,7 @@
 """What a plain decode step costs in the steps right after a break from decode calls, against one in
-a run of them: why the speculation policy reads a decode step's cost only from a settled run.
+a run of them: on the embedded pair a round's cost to plain decoding includes these slow steps, and
+the speculation policy's decode cost, read from the second plain step after rounds, reads high
+(docs/speculation.md, ninth pass).
 
 On the embedded pair (or --model EXPORT, drafter or not, tokenizer or not) after a 24-token prompt, each repeat runs `--settle` plain steps, then one
 break, then `--after` timed plain steps (the state untouched: the same step each time). Breaks:

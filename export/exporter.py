@@ -20,7 +20,8 @@ import onnx
 from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_GRAPHS, STORAGE_DTYPES as DTYPES
+from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_GRAPHS, STORAGE_DTYPES as DTYPES,
+                               VERIFY_ANY_COUNT)
 
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
@@ -56,8 +57,11 @@ def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
 
 
 def verify_sizes(verify: int) -> tuple[int, ...]:
-    """Tree sizes the CPU verify graph runs: powers of two from 2 below `verify`, and `verify`."""
-    return tuple(sorted({1 << j for j in range(1, verify.bit_length()) if 1 << j < verify} | {verify}))
+    """Tree sizes the CPU verify graph has cores for: every one from 2 to 8 (the chains a drafter's
+    depth makes, and small trees), then powers of two below `verify`, and `verify`. A call of any
+    other count is padded up to the next inside the graph."""
+    return tuple(sorted({m for m in range(2, 9) if m < verify}
+                        | {1 << j for j in range(4, verify.bit_length()) if 1 << j < verify} | {verify}))
 
 
 def state_layout(cfg: ModelConfig) -> list[dict]:
@@ -259,7 +263,8 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
         onnx.save_model(model, path)
         onnx.checker.check_model(str(path))
         graphs[name] = {"file": f"graphs/{name}.onnx", "n": specs[name].n, "nodes": len(model.graph.node),
-                        **({"sizes": list(specs[name].tree_sizes)} if specs[name].tree_sizes else {}),
+                        **({"sizes": list(specs[name].tree_sizes), VERIFY_ANY_COUNT: True}
+                           if specs[name].tree_sizes else {}),
                         "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
         if not aside:
             say(f"wrote {path.name}: {len(model.graph.node)} nodes")

@@ -34,7 +34,7 @@ import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import MASK_DIM, PAST_DIM
-from hybrid_npu.kernels.attention import emit_gqa_attention
+from hybrid_npu.kernels.attention import MASKED, emit_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.rope import emit_partial_rope
@@ -53,14 +53,16 @@ class Kind(Enum):
     #                                the N-specific cores under If and the weight matmuls outside, so one
     #                                session prepacks the weights once
     VERIFY = "verify"              # a token tree of n nodes: every node's logits, taps and commit tensors
-    SIZED_VERIFY = "sized_verify"  # the CPU's verify graph: a tree of any of tree_sizes nodes per call (the
-    #                                host pads a tree up to the next size); each size's cores under If
+    SIZED_VERIFY = "sized_verify"  # the CPU's verify graph: a tree of any 2..n nodes per call; each of
+    #                                tree_sizes has its cores under If, fed the call's rows padded up to
+    #                                that size inside the graph (the weight matmuls run on the real rows)
 
 
 @dataclass(frozen=True)
 class Traits:
     tree: bool   # a token tree (ancestor mask in; every node's logits and commit tensors out), else a chain
-    rows: str    # the I/O's token dim: "static" (n), "any" (1 or n per call), "sizes" (one of tree_sizes)
+    rows: str    # the I/O's token dim: "static" (n), "any" (1 or n per call), "sizes" (any up to n; the cores
+    #              run at the smallest of tree_sizes that holds the call)
     ops: str     # the op set on the CPU (graph_ops.OP_SETS); an NPU part takes "npu"
     whole: bool  # the whole model only, never a layer range
 
@@ -118,6 +120,7 @@ class _Builder:
         self.ops = OP_SETS["npu" if spec.npu else self.traits.ops](self.g, cfg.rms_norm_eps)
         self.n = spec.n
         self.rows = spec.n if self.traits.rows == "static" else "n"  # N in the graph's I/O shapes
+        self.padding = False  # inside a case whose cores take their rows padded (rows "sizes")
 
     def declare(self, stored: str) -> str:
         entry = self.plan.entries[stored]
@@ -154,23 +157,87 @@ class _Builder:
             return x, self.norm1p(x, src, self.cfg.hidden_size)
         return self.ops.add_norm1p(x, delta, self.w(self.plan.vector(src, self.cfg.hidden_size)))
 
-    def per_call(self, core) -> list[str]:
+    def per_call(self, core, token_axes: tuple[int, ...] = ()) -> list[str]:
         """core(m) -> output names for m new tokens, for the token counts a call may bring: n (static),
-        1 or n under If (any), one of the tree sizes under nested Ifs (sizes, the largest innermost)."""
-        g, rows = self.g, self.traits.rows
-        if rows == "static":
+        1 or n under If (any), one of the tree sizes or, padded up to the smallest that holds it, any
+        count up to n (sizes: under nested Ifs, the largest innermost). A padded call's core pads its
+        per-token inputs (self.pad_rows) and its outputs are cut back to the call's rows (token_axes)."""
+        g = self.g
+        if self.traits.rows == "static":
             return core(self.n)
-        counts = [1, self.n] if rows == "any" else sorted(self.spec.tree_sizes)
 
-        def pick(j: int) -> list[str]:
-            if j == len(counts) - 1:
-                return core(counts[j])
-            with g.capture() as then:
-                outs = core(counts[j])
-            with g.capture() as other:
-                rest = pick(j + 1)
-            return g.if_(self.count_is[counts[j]], (then, outs), (other, rest))
-        return pick(0)
+        def cut(m: int) -> list[str]:
+            outs = core(m)
+            if not self.padding:
+                return outs
+            return [g.op("Slice", o, g.ints([0]), self.count, g.ints([axis])) for o, axis in zip(outs, token_axes)]
+        return self._by_count(cut)
+
+    def _by_count(self, body) -> list[str]:
+        """body(m) for the case (self.cases: the counts it takes, m, padded) the call's count falls in,
+        under Ifs that halve the cases (a call passes log2(cases) of them, not one per case before
+        its own), with self.padding set while each case's body is emitted."""
+        g = self.g
+
+        def within(lo: int, hi: int) -> list[str]:
+            if hi - lo == 1:
+                _, m, self.padding = self.cases[lo]
+                return body(m)
+            mid = (lo + hi) // 2
+            with g.capture() as low:
+                outs = within(lo, mid)
+            with g.capture() as high:
+                rest = within(mid, hi)
+            top = self.cases[mid - 1][0][1]  # the largest count the lower half takes
+            return g.if_(self.count_at_most[top], (low, outs), (high, rest))
+        try:
+            return within(0, len(self.cases))
+        finally:
+            self.padding = False
+
+    def pad_rows(self, x: str, m: int, axis: int, rank: int, value: float = 0.0) -> str:
+        """x with its token axis padded up to m rows inside a padded case (else x itself). A padded
+        node is zeros: no conv input, key or query, beta and decay 0, an ancestor of none."""
+        if not self.padding:
+            return x
+        return self.g.op("Pad", x, self.pads[(m, rank, axis)], self.g.const(value))
+
+    def _count_cases(self, ids: str) -> None:
+        """The cases a call's token count selects, each ((fewest, most) counts it takes, m, padded):
+        any: 1, or n. sizes: a size right above the one before it takes its own count (no padding);
+        one further apart takes every count above the size before it, padded up to it (its own
+        count too: one core less to build and load, and at 16 nodes a zero pad is no cost)."""
+        self.count = self.g.op("Shape", ids, start=0, end=1)
+        if self.traits.rows == "any":
+            self.cases = [((1, 1), 1, False), ((2, self.n), self.n, False)]
+        else:
+            self.cases, below = [], 1  # a tree has its root and at least one draft node
+            for m in sorted(self.spec.tree_sizes):
+                self.cases.append(((below + 1, m), m, m > below + 1))
+                below = m
+        # every split's condition once a call, in the main graph (each layer's Ifs read them); any: count == 1
+        test = "Equal" if self.traits.rows == "any" else "LessOrEqual"
+        self.count_at_most = {most: self.g.op(test, self.count, self.g.ints([most])) for (_, most), _, _ in self.cases[:-1]}
+        self.pads = {}
+        for m in sorted({m for _, m, padded in self.cases if padded}):
+            amount = self.g.op("Sub", self.g.ints([m]), self.count)
+            for rank, axis in ((2, 0), (2, 1), (3, 0), (3, 1), (3, 2)):
+                after = [self.g.ints([0] * (rank - axis - 1))] if axis < rank - 1 else []
+                self.pads[(m, rank, axis)] = self.g.op("Concat", self.g.ints([0] * (rank + axis)), amount, *after,
+                                                       axis=0)
+
+    def gdn_rows(self, m: int) -> tuple:
+        """(validity, ancestor masks, conv tree selections) as a GDN core of m rows reads them."""
+        p = self.pad_rows
+        masks = self.masks and tuple(p(p(t, m, 0, 2), m, 1, 2) if t else t for t in self.masks)
+        select = self.tree_select and p(p(self.tree_select, m, 1, 3), m, 2, 3)
+        return self.valid and p(self.valid, m, 0, 2), masks, select
+
+    def attention_rows(self, m: int) -> tuple:
+        """(rotary cos, sin, additive mask) as an attention core of m rows reads them; a padded key
+        is hidden from every query."""
+        p = self.pad_rows
+        return p(self.cos, m, 0, 3), p(self.sin, m, 0, 3), p(p(self.attn_mask, m, 0, 2), m, 1, 2, MASKED)
 
     # ---------------------------------------------------------------- graph
     def build(self) -> GraphBuilder:
@@ -181,9 +248,7 @@ class _Builder:
         if spec.first_layer == 0:
             ids = g.input("input_ids", np.int64, [n])
             if self.traits.rows != "static":  # which cores run: by the call's token count
-                count = g.op("Shape", ids, start=0, end=1)
-                counts = [1] if self.traits.rows == "any" else sorted(spec.tree_sizes)[:-1]
-                self.count_is = {m: g.op("Equal", count, g.ints([m])) for m in counts}
+                self._count_cases(ids)
             table = self.plan.table("embed_tokens.weight", (c.vocab_size, c.hidden_size))
             if not self.plan.quantizable:
                 x = g.op("Gather", self.w(table), ids, axis=0)
@@ -277,9 +342,10 @@ class _Builder:
             unit = g.reshape(g.input(f"recurrent_scale.{i}", np.float32, [hv]), [hv, 1, 1])
 
         def core(m: int) -> list[str]:
-            o, new_conv, S_after, commit = self._gdn_core(qkv, conv_state, conv_w, S, beta, decay, n=m, unit=unit)
+            rows = [self.pad_rows(t, m, 0, 2) for t in (qkv, beta, decay)]
+            o, new_conv, S_after, commit = self._gdn_core(rows[0], conv_state, conv_w, S, *rows[1:], n=m, unit=unit)
             return [o, *commit] if self.traits.tree else [o, new_conv, S_after]
-        o, *rest = self.per_call(core)
+        o, *rest = self.per_call(core, (0, 0, 0, 0))  # o, commit k, u, g: token-major
         if self.traits.tree:
             ck, cu, cg = rest
             g.output(ck, f"commit_k.{i}", np.float32, [n, hv, dk])
@@ -301,11 +367,12 @@ class _Builder:
         tensors); o as the op set's gated_norm takes it."""
         c = self.cfg
         dims = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        valid, masks, tree_select = self.gdn_rows(n)
         y, new_conv = self.ops.short_conv(qkv, conv_state, conv_w, n=n, k=c.linear_conv_kernel_dim,
-                                          state_select=self.state_select, tree_select=self.tree_select)
-        if self.valid is not None and n > 1:  # a padded token neither decays nor writes the state
-            beta, decay = self.g.op("Mul", beta, self.valid), self.g.op("Mul", decay, self.valid)
-        o, S_after, commit = self.ops.delta_rule(y, decay, beta, S, n=n, dims=dims, masks=self.masks,
+                                          state_select=self.state_select, tree_select=tree_select)
+        if valid is not None and n > 1:  # a padded token neither decays nor writes the state
+            beta, decay = self.g.op("Mul", beta, valid), self.g.op("Mul", decay, valid)
+        o, S_after, commit = self.ops.delta_rule(y, decay, beta, S, n=n, dims=dims, masks=masks,
                                                  tree=self.traits.tree, unit=unit)
         return o, new_conv, S_after, commit
 
@@ -317,7 +384,9 @@ class _Builder:
                                c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
         past = (g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd]),
                 g.input(f"past_value.{i}", np.float32, [nkv, hd, PAST]))  # transposed (kernels/attention.py)
-        gated, new_k, new_v = self.per_call(lambda m: list(self._attention_core(qg, k, v, *past, a, n=m)))
+        gated, new_k, new_v = self.per_call(
+            lambda m: list(self._attention_core(*(self.pad_rows(t, m, 0, 2) for t in (qg, k, v)), *past, a, n=m)),
+            (0, 1, 1))
         g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
         g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
         return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
@@ -327,11 +396,12 @@ class _Builder:
         c, g = self.cfg, self.g
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q, gate = g.split(g.reshape(qg, [n, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (docs/qwen35-model.md trap 2)
-        q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), self.cos, self.sin, hd, c.rotary_dim)
+        cos, sin, mask = self.attention_rows(n)
+        q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), cos, sin, hd, c.rotary_dim)
         k = emit_partial_rope(g, self.norm1p(g.reshape(k, [n, nkv, hd]), a + "k_norm.weight", hd),
-                              self.cos, self.sin, hd, c.rotary_dim)
+                              cos, sin, hd, c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [n, nkv, hd]), [1, 0, 2])
-        attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, self.attn_mask, n=n, nh=nh, nkv=nkv, hd=hd)
+        attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", g.reshape(attn, [n, nh * hd]), g.op("Sigmoid", g.reshape(gate, [n, nh * hd])))
         return gated, new_k, new_v
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from hybrid_npu.chat_files import sampling_defaults
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, manifest_hash
+from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, VERIFY_ANY_COUNT, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 
@@ -230,16 +230,19 @@ class Engine:
         """(device, nodes) of the verify a round of `depth` levels runs now: the NPU's static graph
         while the context and its N nodes fit the NPU's T_max; else the CPU's, where the export has
         the sized graph the smallest size that holds the largest tree the draft shape grows at that
-        depth (EAGLE-2: top_k, then top_k² per further level), else its static N."""
+        depth (EAGLE-2: top_k, then top_k² per further level): exactly that many nodes where the graph
+        takes any count, else the smallest of its sizes that holds them; else its static N."""
         graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
         if self._npu_verify_fits():
             return NPU_DEVICE, n
-        sizes = graphs.get("cpu_verify", {}).get("sizes")
-        if not sizes:
+        sized = graphs.get("cpu_verify", {})
+        if not sized.get("sizes"):
             return CPU_DEVICE, n
         k = self.draft_shape["top_k"]
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
-        return CPU_DEVICE, next((m for m in sizes if m >= real), n)
+        if sized.get(VERIFY_ANY_COUNT):
+            return CPU_DEVICE, min(real, n)
+        return CPU_DEVICE, next((m for m in sized["sizes"] if m >= real), n)
 
     def _npu_verify_fits(self) -> bool:
         """The NPU's static verify graph serves a round while the context and its N nodes fit T_max."""

@@ -95,6 +95,23 @@ def test_greedy_speculative_output_is_the_plain_output(text_tied, plain_greedy, 
           f"rounds {stats['rounds']}")
 
 
+@pytest.mark.parametrize("any_count", [True, False], ids=["graph-pads", "host-pads"])
+def test_a_chain_between_two_core_sizes_speculates_to_the_plain_output(text_tied, plain_greedy, any_count):
+    """A 9-draft chain (10 nodes, between the CPU verify graph's cores for 8 and 16) is verified as
+    10 nodes, padded inside the graph; an export made before its graph took any count pads it on
+    the host to 16. Both give the plain output."""
+    engine = hybrid_npu.load(text_tied.out)
+    if not any_count:
+        del engine.manifest["graphs"]["cpu_verify"]["any_count"]
+    assert 9 not in engine.manifest["graphs"]["cpu_verify"]["sizes"]
+    engine.draft_shape = {"top_k": 1, "depth": 9, "total_tokens": 9}
+    engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, wrong_rate=0.2, chain=True)
+    engine.adaptive = False
+    assert engine.verify_graph(9) == ("CPU", 10 if any_count else 16)
+    assert engine.generate(PROMPT, 256, stop_at_eos=False) == plain_greedy
+    assert engine.last_stats["rounds"] > 0 and engine.last_stats["acceptance_length"] > 2
+
+
 def test_stream_yields_the_plain_tokens_and_a_closed_stream_keeps_its_context(text_tied, plain_greedy):
     """stream() is generate() token by token; closed inside a round, the round's tokens stay in the
     context and the next generation continues exactly where plain decoding would."""

@@ -52,20 +52,22 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
 
 
 def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_tied):
-    """The export's CPU verify graph (cores per tree size under If): trees padded up to 2, 4, 8 and
-    the full size give transformers' logits on every real node's path, and the commit tensors
-    rebuild its recurrent state. The reference runs in float64: our graphs are fp32 end to end
+    """The export's CPU verify graph (cores per tree size under If): trees of a core's size (2-8, the
+    full size), of a count between two sizes (9: padded up to the next inside the graph) and trees
+    the host pads (older exports' way) give transformers' logits on every real node's path, and the
+    commit tensors rebuild its recurrent state. The reference runs in float64: our graphs are fp32 end to end
     (prefill through ORT's LinearAttention, verify through the masked form), and fp32 rounding alone
     moves these logits (|logit| ~ 7) by up to ~2e-4 on some paths (transformers' own fp32 run: 1.9e-4)."""
     ref64 = copy.deepcopy(text_tied.ref).double()
     engine = hybrid_npu.load(text_tied.out)
     sizes = engine.manifest["graphs"]["cpu_verify"]["sizes"]
-    assert sizes[:3] == [2, 4, 8] and sizes[-1] == engine.manifest["graphs"]["verify"]["n"]
+    assert sizes[:7] == list(range(2, 9)) and sizes[-1] == engine.manifest["graphs"]["verify"]["n"] > 9
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 300, 11)]
     cfg = engine.config
     rng = np.random.default_rng(2)
-    for real_parents, size in (([-1, 0], 2), ([-1, 0, 1], 4), (PARENTS, 16), ([-1, 0, 1, 2, 3, 4, 5], 8),
-                               (PARENTS, sizes[-1])):
+    for real_parents, size in (([-1, 0], 2), ([-1, 0, 1], 3), ([-1, 0, 1], 4), ([-1, 0, 0, 1, 2], 5),
+                               ([-1, 0, 1, 2, 3, 4, 5], 7), (PARENTS, 9), (PARENTS, 16),
+                               ([-1, 0, 1, 2, 3, 4, 5], 8), (PARENTS, sizes[-1])):
         engine.prefill_logits(prompt)
         draft = [int(t) for t in rng.integers(0, 300, len(real_parents) - 1)]
         tree, n_real = Tree.from_draft(int(rng.integers(0, 300)), draft, [p - 1 for p in real_parents[1:]], size)

@@ -17,6 +17,7 @@ of the same prompt: a mismatch is reported in the JSON (it would be a bug: specu
 
     python scripts/bench_speculative.py [--model EXPORT] [--prompts 16] [--new 128] [--threads 2]
         [--contexts 24,500,1500,6000,12000] [--context-new 96] [--repeats 2] [--drafter eagle3,mtp]
+        [--modes adaptive,always]
 
 --drafter: the drafter kinds the export ships to compare side by side (one engine each, the same
 target graphs; runs interleaved with plain ones); rows are then named KIND_SHAPE_MODE. Without it,
@@ -132,7 +133,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--drafter", type=lambda v: v.split(","), help="drafter kinds to compare, e.g. eagle3,mtp")
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=["adaptive", "always"],
+                    help="speculative modes beside plain (default: adaptive,always)")
     args = ap.parse_args()
+    if not args.modes or set(args.modes) - {"adaptive", "always"}:
+        print(f"bench_speculative: --modes {','.join(args.modes)}: give adaptive, always or both", file=sys.stderr)
+        return 2
     import hybrid_npu
     from hybrid_npu.errors import UserError
 
@@ -153,7 +159,7 @@ def main() -> int:
               "repeats": args.repeats, "greedy": True, "chat": {}, "context": []}
     chat_modes = [("plain", None, engine), ("plain_again", None, engine)] + [
         (f"{prefix[kind]}{shape}_{mode}", (shape, mode), e)
-        for kind, e in engines.items() for shape in SHAPES for mode in ("adaptive", "always")]
+        for kind, e in engines.items() for shape in SHAPES for mode in args.modes]
     best: dict = {}
     per_repeat: dict = {}
     reference = None
@@ -188,7 +194,7 @@ def main() -> int:
         per_repeat = {}
         reference = None
         runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [
-            (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in ("adaptive", "always")]
+            (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in args.modes]
         for r in range(args.repeats):
             for name, mode, e, kind in rotated(runs, r):
                 if mode != "plain":

@@ -62,3 +62,21 @@ def test_bench_step_after_break_refuses_a_missing_export_in_one_line(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode == 2 and run.stdout == ""
     assert len(run.stderr.strip().splitlines()) == 1 and "model.json" in run.stderr
+
+
+def _script(name, *args, cwd):
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_ab_verify_graph_refuses_bad_node_counts_in_one_line(tmp_path):
+    for counts in ("1,2", "two", ""):
+        run = _script("ab_verify_graph.py", "--a", str(tmp_path), "--b", str(tmp_path), "--counts", counts, cwd=tmp_path)
+        assert run.returncode == 2 and run.stdout == ""
+        assert len(run.stderr.strip().splitlines()) == 1 and "--counts" in run.stderr
+
+
+def test_bench_speculative_refuses_an_unknown_mode_in_one_line(tmp_path):
+    run = _script("bench_speculative.py", "--modes", "adaptive,never", cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "never" in run.stderr

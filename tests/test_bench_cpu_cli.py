@@ -80,3 +80,9 @@ def test_bench_speculative_refuses_an_unknown_mode_in_one_line(tmp_path):
     run = _script("bench_speculative.py", "--modes", "adaptive,never", cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""
     assert len(run.stderr.strip().splitlines()) == 1 and "never" in run.stderr
+
+
+def test_batch_invariance_refuses_too_few_tokens_in_one_line(tmp_path):
+    run = _script("batch_invariance.py", "--model", str(tmp_path), "--tokens", "2", cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "--tokens" in run.stderr

@@ -2,8 +2,9 @@
 weights), through the CPU verify graph sized to the draft (graphs/cpu_verify.onnx); then the
 modelled speed-up of chain speculation for drafters of acceptance rate a.
 
-k = 1 is the decode step itself (a round that drafts nothing is a plain step); k = 2, 4, 8, 16 are
-chain trees of k nodes at the same context. Decode steps and verify calls alternate, repeat by
+k = 1 is the decode step itself (a round that drafts nothing is a plain step); the other k are
+the graph's core sizes up to 16 (2-8 and 16 in an export whose verify takes any count; 2, 4, 8, 16
+before), chain trees of k nodes at the same context. Decode steps and verify calls alternate, repeat by
 repeat (the machine is shared), each keeping its best time.
 
 Modelled (not measured): a chain of d drafts, each accepted with probability a, emits

@@ -54,8 +54,8 @@ class Kind(Enum):
     #                                session prepacks the weights once
     VERIFY = "verify"              # a token tree of n nodes: every node's logits, taps and commit tensors
     SIZED_VERIFY = "sized_verify"  # the CPU's verify graph: a tree of any 2..n nodes per call; each of
-    #                                tree_sizes has its cores under If, fed the call's rows padded up to
-    #                                that size inside the graph (the weight matmuls run on the real rows)
+    #                                tree_sizes has its cores under If, and a count between two sizes is
+    #                                padded up to the larger inside them (the weight matmuls run on the real rows)
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ class _Builder:
     def per_call(self, core, token_axes: tuple[int, ...] = ()) -> list[str]:
         """core(m) -> output names for m new tokens, for the token counts a call may bring: n (static),
         1 or n under If (any), one of the tree sizes or, padded up to the smallest that holds it, any
-        count up to n (sizes: under nested Ifs, the largest innermost). A padded call's core pads its
-        per-token inputs (self.pad_rows) and its outputs are cut back to the call's rows (token_axes)."""
+        count up to n (sizes); the case by self._by_count. A padded case's core pads its per-token
+        inputs (self.pad_rows) and its outputs are cut back to the call's rows (token_axes)."""
         g = self.g
         if self.traits.rows == "static":
             return core(self.n)

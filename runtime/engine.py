@@ -228,10 +228,10 @@ class Engine:
 
     def verify_graph(self, depth: int) -> tuple[str, int]:
         """(device, nodes) of the verify a round of `depth` levels runs now: the NPU's static graph
-        while the context and its N nodes fit the NPU's T_max; else the CPU's, where the export has
-        the sized graph the smallest size that holds the largest tree the draft shape grows at that
-        depth (EAGLE-2: top_k, then top_k² per further level): exactly that many nodes where the graph
-        takes any count, else the smallest of its sizes that holds them; else its static N."""
+        while the context and its N nodes fit the NPU's T_max; else the CPU's. Where the export has
+        the sized graph, the nodes are the largest tree the draft shape grows at that depth (EAGLE-2:
+        top_k, then top_k² per further level): exactly that many where the graph takes any count,
+        else the smallest of its sizes that holds them; else its static N."""
         graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
         if self._npu_verify_fits():
             return NPU_DEVICE, n

@@ -18,6 +18,8 @@ import os
 
 import onnxruntime as ort
 
+from .huge_pages import new_memory_on_huge_pages
+
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
     """Options every session starts from: errors-only logging (ORT's initializer-cleanup notes are
@@ -34,6 +36,9 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
 
 
 def cpu_inference_session(model, opts: ort.SessionOptions | None = None) -> ort.InferenceSession:
-    """A CPU EP session of a model path (or serialised bytes) with these options (default: session_options())."""
-    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts or session_options(),
-                                providers=["CPUExecutionProvider"])
+    """A CPU EP session of a model path (or serialised bytes) with these options (default: session_options()).
+    What it allocates (a quantised graph's prepacked weights) goes onto huge pages where the OS allows
+    (huge_pages.py: decode 1.07-1.09x on Linux)."""
+    with new_memory_on_huge_pages():
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts or session_options(),
+                                    providers=["CPUExecutionProvider"])

@@ -102,11 +102,10 @@ def median_ms(run, calls: int = 25) -> float:
 
 
 def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]], tokens: int = 1) -> dict:
-    import onnxruntime as ort
-
     import hybrid_npu
     from hybrid_npu.runtime.pipeline import cpu_session
-    from hybrid_npu.runtime.session_options import session_options
+    from hybrid_npu.runtime import huge_pages
+    from hybrid_npu.runtime.session_options import cpu_inference_session, session_options
     from hybrid_npu.runtime.step_inputs import chain_feed
 
     engine = hybrid_npu.load(export_dir, threads=threads)
@@ -136,7 +135,8 @@ def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]],
             Path(name).unlink()
         arms["rest" + "".join(f" -{o}" for o in sorted(ops))] = (lambda s: lambda: s.run(None, feed))(session)
     model, shapes = matmul_only_model(graphs / ("decode.onnx" if tokens == 1 else "prefill.onnx"))
-    alone = ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
+    alone = cpu_inference_session(model.SerializeToString(), session_options(threads))  # as the engine's: huge pages
+    huge_pages.wait()
     rng = np.random.default_rng(0)
     alone_feed = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     arms["matmul_only"] = lambda: alone.run(None, alone_feed)

@@ -23,6 +23,7 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from hybrid_npu.cli_common import OneLineParser
+from hybrid_npu.runtime import huge_pages
 from hybrid_npu.runtime.session_options import cpu_inference_session, session_options
 
 
@@ -74,6 +75,7 @@ def time_model(model: onnx.ModelProto, shapes: dict, threads: int, repeats: int,
     # the arena hands each run's ~200 MB of prefill outputs back to the next (no page faults): the
     # bound stays an upper bound on what the real graph, which reuses its buffers, could reach
     session = cpu_inference_session(model.SerializeToString(), opts)
+    huge_pages.wait()  # time the weights as the engine's sessions hold them once settled
     rng = np.random.default_rng(0)
     feed = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     for _ in range(2):

@@ -86,3 +86,12 @@ def test_batch_invariance_refuses_too_few_tokens_in_one_line(tmp_path):
     run = _script("batch_invariance.py", "--model", str(tmp_path), "--tokens", "2", cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""
     assert len(run.stderr.strip().splitlines()) == 1 and "--tokens" in run.stderr
+
+
+def test_ab_huge_pages_refuses_a_non_export_in_one_line(tmp_path):
+    for args in ([str(tmp_path)], [str(tmp_path), "--rounds", "0"]):
+        run = subprocess.run([sys.executable, str(SCRIPTS / "ab_huge_pages.py"), *args], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=120)
+        assert run.returncode == 2 and run.stdout == ""
+        assert len(run.stderr.strip().splitlines()) == 1
+        assert ("not a hybrid-npu export" in run.stderr) or ("--rounds" in run.stderr)

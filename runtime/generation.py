@@ -49,16 +49,18 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
     except UserError:  # refused before any work: the context is as it was
         engine._pending = pending
         raise
-    if speculative:  # the prompt's last pairs, which the first round or guesses read (drafter_feed.py)
+    policy = policy_for(engine) if speculative and engine.adaptive else None
+    if policy is not None:
+        policy.note_context(engine.state.position, fresh=not append)
+    # the prompt's last pairs, which the first round or guesses read (drafter_feed.py); not while no
+    # round could pay here (they wait in the feed until one is tried)
+    if speculative and (policy is None or policy.rounds_can_pay()):
         catch_up_drafter(engine)
     limit = min(max_new_tokens, engine._room())  # the memory plan bounds decode and speculation too
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
     new = [sampler.choose(logits)]
     engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
-    policy = policy_for(engine) if speculative and engine.adaptive else None
-    if policy is not None:
-        policy.note_context(engine.state.position, fresh=not append)
     if engine.drafter is not None and engine._tap_pending is not None:
         engine.drafter_feed.add([new[0]], engine._tap_pending[None])
         engine._tap_pending = None
@@ -72,7 +74,8 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                 emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]
-                if policy is not None and policy.guessing and engine.drafter_feed.decoded >= policy.guess_interval:
+                if (policy is not None and policy.guessing and engine.drafter_feed.decoded >= policy.guess_interval
+                        and policy.rounds_can_pay()):
                     catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
             else:
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]

@@ -71,6 +71,7 @@ class SpecPolicy:
     probe_budget: float = 0.05            # while plain wins, probes may cost at most this share of the time
     max_budget_interval: int = 1024
     refresh_every: int = 16
+    refresh_steps: int = 4                # plain steps a refresh of the decode cost runs (the last is near steady)
     margin: float = 1.0                   # speculate when its rate beats plain by this factor
     hysteresis: float = 0.2               # ... and by (1 + this) more to switch from plain decoding
     guessing: bool = False                # the drafter scores its guesses (record_guesses; set by the engine)
@@ -99,6 +100,7 @@ class SpecPolicy:
     _context: int | None = None                   # context length the costs were measured at
     _medians: dict = field(default_factory=dict)  # id(a cost's deque) -> its median, until it changes
     _best: tuple | None = None                    # (what best_depth read, its answer)
+    _ceiling: tuple | None = None                 # (what rounds_can_pay read, the best rate at full acceptance)
     _prior: tuple | None = None                   # the last context's costs over its decode step: (draft
     #                                               level, {verify key: fixed}), until this one's are measured
     _guessed: bool = False                        # guesses scored since the last round
@@ -131,7 +133,12 @@ class SpecPolicy:
 
     @property
     def decode_s(self) -> float | None:
-        return self._median(self._decode) if self._decode else None
+        """A plain step's cost: the fastest of the recent ones, not their median. A plain step right
+        after a round runs slow (the caches and the cores' state are the round's), and in a run of
+        mostly rounds nearly every plain step is such a one: their median rated plain decoding ~1.5x
+        too slow and kept rounds going at 0.90x plain (embedded pair, docs/speculation.md, eleventh
+        pass). Noise only ever adds time, so the fastest is the steady step the choice is against."""
+        return min(self._decode) if self._decode else None
 
     @property
     def draft_level_s(self) -> float | None:
@@ -232,6 +239,39 @@ class SpecPolicy:
                 best = (d, rate)
         return best
 
+    def rounds_can_pay(self) -> bool:
+        """Whether the best round could beat plain decoding by the margin to leave it if every draft
+        were accepted, by the costs measured at this context (or the last context's, in decode steps).
+        While it could not, the drafter's guesses and the probe rounds only cost time: a reply with
+        no round at all ran 0.92-0.96x plain for them on the embedded pair, where a round cost ~6
+        plain steps (docs/speculation.md, eleventh pass). True while the costs are unknown."""
+        costs = self._costs()
+        if costs is None and self.guessing and self._prior is not None:
+            costs = (*self._prior, None)  # before this context's first plain steps: the last one's, in decode steps
+        if costs is None:
+            return True
+        if costs[2] is None:
+            unit = 1.0
+        elif self.decode_s is None:
+            return True
+        else:
+            unit = self.decode_s / costs[2]  # the costs' unit in decode steps
+        asked = self._graphs is None
+        if asked:  # each depth's verify graph, asked once (as choose() does)
+            self._graphs = (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None
+                            else tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
+        try:
+            key = (costs[0], tuple(sorted(costs[1].items())), self._graphs)
+            if self._ceiling is None or self._ceiling[0] != key:
+                rounds = [self._round_cost(d, costs) for d in range(1, self.max_depth + 1)]
+                self._ceiling = (key, None if None in rounds
+                                 else max((d + 1) / max(c, 1e-12) for d, c in enumerate(rounds, 1)))
+        finally:
+            if asked:
+                self._graphs = None
+        best = self._ceiling[1]
+        return best is None or best * unit > self.margin * (1 + self.hysteresis)
+
     def budget_interval(self) -> int:
         """Plain steps a probe must wait for so that its expected extra time (two rounds of the best
         depth, less the tokens they are expected to emit at a plain step's cost) stays within
@@ -325,8 +365,10 @@ class SpecPolicy:
         self._await_guesses = False
         if self._costs() is None and not (self.guessing and self._prior is not None):
             return self.measuring_depth()  # measure a round (the second of a run is the one kept)
-        if self.decode_s is None or self._refreshing:  # ... then a plain step, likewise
-            self._refreshing = self._refreshing and self._last != "plain"
+        if self.decode_s is None or self._refreshing:  # ... then plain steps, likewise
+            # a refresh runs refresh_steps plain steps: the first few after a round run slow (~1.6,
+            # 1.6, 1.3x a steady one, docs/speculation.md, ninth pass), and decode_s keeps the fastest
+            self._refreshing = self._refreshing and self._plain_run < self.refresh_steps - 1
             return 0
         if self._probe_depth:  # a probe's second round: the one whose costs are kept
             depth, self._probe_depth = self._probe_depth, 0
@@ -340,7 +382,9 @@ class SpecPolicy:
                 self._refreshing = True
                 return 0
             return depth
-        if self._guessed:  # guesses came: a probe only where they leave rounds near paying
+        if not self.rounds_can_pay():  # not even a round of nothing but hits: costs checked again rarely
+            worth = self._plain_run >= self.max_budget_interval
+        elif self._guessed:  # guesses came: a probe only where they leave rounds near paying
             worth = best[1] * self.decode_s >= self.guess_near * self.margin
         else:  # for guesses that never came
             worth = not self.guessing or self._plain_run >= 2 * self.guess_every

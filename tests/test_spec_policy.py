@@ -42,12 +42,13 @@ def runs(decisions):
 def test_a_drafter_that_is_always_right_speculates_at_full_depth():
     p = SpecPolicy(6, refresh_every=16)
     dec = drive(p, 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
-    # two rounds and two plain steps to measure both (the second of each kept), then rounds with
-    # two plain steps after 2, 4, 8, then every 16 rounds. With no evidence the first measuring round
-    # is one draft deep (measuring_depth), and one accepted draft is not yet evidence for more.
+    # two rounds and two plain steps to measure both (the second of each kept), then rounds with a
+    # refresh of four plain steps (refresh_steps) after 2, 4, 8, then every 16 rounds. With no evidence
+    # the first measuring round is one draft deep (measuring_depth), and one accepted draft is not yet
+    # evidence for more.
     assert dec[:2] == [1, 1] and set(dec[2:]) == {0, 6}
-    assert runs(dec)[:11] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4), ("p", 2), ("r", 8), ("p", 2),
-                              ("r", 16), ("p", 2), ("r", 16)]
+    assert runs(dec)[:11] == [("r", 2), ("p", 2), ("r", 2), ("p", 4), ("r", 4), ("p", 4), ("r", 8), ("p", 4),
+                              ("r", 16), ("p", 4), ("r", 16)]
     assert drive(SpecPolicy(6, refresh_every=16), 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d) == dec
 
 
@@ -98,11 +99,50 @@ def test_probes_wait_until_their_cost_fits_the_budget():
 
 def test_one_slow_first_decode_step_does_not_hold_speculation_on():
     """The first kept decode step 5x slow, then 10 ms; a round costs 21 ms and accepts nothing
-    (1 token): plain must win once a third plain step is measured (the median of 50, 10, 10)."""
+    (1 token): plain must win as soon as one 10 ms step is measured (a plain step costs the fastest
+    of the recent ones: noise and the steps after rounds only ever add time)."""
     p = SpecPolicy(6, probe_every=8, max_probe_every=8, probe_budget=0)
     dec = drive(p, 40, lambda k: 50 * MS if k <= 1 else 10 * MS, 1 * MS, 15 * MS, lambda d, k: 0)
-    assert runs(dec)[:5] == [("r", 2), ("p", 2), ("r", 2), ("p", 2), ("r", 4)]
-    assert runs(dec)[5:9] == [("p", 8), ("r", 2), ("p", 8), ("r", 2)]  # then plain, and two-round probes only
+    assert runs(dec)[:4] == [("r", 2), ("p", 2), ("r", 2), ("p", 8)]  # 50 ms kept: rounds; then 10 ms: plain
+    assert runs(dec)[4:8] == [("r", 2), ("p", 8), ("r", 2), ("p", 8)]  # and two-round probes only
+
+
+def test_plain_steps_slowed_by_rounds_do_not_keep_rounds_going():
+    """Plain steps cost 10 ms in a run of them but 16 ms for the first three after a round; a round
+    of 6 drafts costs 80 ms and every draft lands (7 tokens, 11.4 ms a token): it beats the 16 ms the
+    steps right after rounds show, not the 10 ms plain decoding costs. The refreshes between rounds
+    run long enough to see a steady step, so rounds stop and stay rare (probes)."""
+    p = SpecPolicy(6, refresh_every=4, probe_budget=0)
+    dec = drive(p, 160, lambda k: 16 * MS if p._plain_run < 3 else 10 * MS, 1 * MS, 74 * MS, lambda d, k: d)
+    tail = dec[80:]
+    assert sum(1 for d in tail if d) <= 0.1 * len(tail), runs(dec)
+
+
+def test_where_no_round_could_pay_there_are_no_probes():
+    """A round of 6 drafts costs 86 ms: even with every draft accepted (7 tokens) that is 12.3 ms a
+    token against a 10 ms plain step. After the measuring rounds the policy decodes plainly and
+    probes only after max_budget_interval plain steps, where one that could pay probes at 8, 16, ..."""
+    hopeless = SpecPolicy(6, probe_budget=0, max_budget_interval=200)
+    dec = drive(hopeless, 600, 10 * MS, 1 * MS, 80 * MS, lambda d, k: d)
+    assert not hopeless.rounds_can_pay()
+    r = runs(dec)
+    assert r[:3] == [("r", 2), ("p", 200), ("r", 2)]  # measure, then plain; a two-round probe per 200
+    hopeful = SpecPolicy(6, probe_budget=0)  # 6 drafts for 36 ms: 5.1 ms a token at best
+    dec = drive(hopeful, 120, 10 * MS, 1 * MS, 30 * MS, lambda d, k: 0)
+    assert hopeful.rounds_can_pay()
+    assert sum(1 for kind, _ in runs(dec) if kind == "r") >= 4  # nothing lands: probes at 8, 16, 32, ... as before
+    assert SpecPolicy(6).rounds_can_pay()  # nothing measured: unknown, so rounds are tried
+
+
+def test_the_last_contexts_costs_judge_whether_a_round_could_pay_before_any_plain_step():
+    """At a far context the costs are the last context's in decode steps: with a guessing drafter they
+    say whether guesses are worth asking before this context's first plain step is timed."""
+    for fixed_ms, can in ((80, False), (30, True)):
+        p = SpecPolicy(6, guessing=True, probe_budget=0)
+        p.note_context(24)
+        drive(p, 12, 10 * MS, 1 * MS, fixed_ms * MS, lambda d, k: d)
+        p.note_context(5000)  # far: costs dropped, kept relative to the decode step
+        assert p.decode_s is None and p.rounds_can_pay() is can
 
 
 def test_a_cost_right_after_the_other_kind_of_step_is_not_kept():
@@ -308,6 +348,27 @@ def test_a_far_context_judges_by_its_own_guesses():
     p.record_guesses([False] * 3 + [True] * 5)
     drive(p, 8, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
     assert any(list(p.decisions)[start + 32:])
+
+
+def test_no_drafter_call_while_no_round_could_pay(eagle3_export):
+    """A reply the policy decodes plainly because no round could pay runs the drafter not at all: no
+    catch-up at the end of the prefill, no guesses; the pairs wait in the feed, the output is plain."""
+    engine = hybrid_npu.load(eagle3_export)
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, 20)]
+
+    class Hopeless(Scripted):
+        def rounds_can_pay(self):
+            return False
+
+    engine.make_policy = lambda e: Hopeless([0])
+    calls = []
+    for name in ("observe", "skip"):
+        real = getattr(engine.drafter, name)
+        setattr(engine.drafter, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    out = engine.generate(prompt, 70, stop_at_eos=False)
+    assert out == hybrid_npu.load(eagle3_export).generate(prompt, 70, stop_at_eos=False, speculative=False)
+    assert calls == [] and engine.last_stats["rounds"] == 0
+    assert len(engine.drafter_feed) >= 19 + 69  # the prompt's pairs and the reply's, waiting
 
 
 def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):

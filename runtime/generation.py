@@ -74,9 +74,11 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                 emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]
-                if (policy is not None and policy.guessing and engine.drafter_feed.decoded >= policy.guess_interval
-                        and policy.rounds_can_pay()):
-                    catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
+                if policy is not None and policy.guessing and engine.drafter_feed.decoded >= policy.guess_interval:
+                    if policy.rounds_can_pay():
+                        catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
+                    else:  # none could pay: asked again after another interval
+                        policy.guess_interval = engine.drafter_feed.decoded + policy.guess_every
             else:
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
             new.extend(emitted)  # in the context now, whether or not the caller takes them all
@@ -136,7 +138,7 @@ def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) 
     nxt = sampler.choose(engine._step("decode", [token]))
     if policy is not None:
         policy.record_plain(time.perf_counter() - t0)
-    engine.drafter_feed.add([nxt], engine._taps(engine._last_out, [0]), decoded=True)
+    engine.drafter_feed.add([nxt], engine._taps(engine._last_out, slice(0, 1)), decoded=True)  # (a slice: no index array)
     engine.spec_stats["plain_steps"] += 1
     return nxt
 

@@ -100,7 +100,8 @@ class SpecPolicy:
     _context: int | None = None                   # context length the costs were measured at
     _medians: dict = field(default_factory=dict)  # id(a cost's deque) -> its median, until it changes
     _best: tuple | None = None                    # (what best_depth read, its answer)
-    _ceiling: tuple | None = None                 # (what rounds_can_pay read, the best rate at full acceptance)
+    _version: int = 0                             # counts changes of the costs (measurements, a far context)
+    _can_pay: tuple | None = None                 # (_version, verify graphs, rounds_can_pay's answer)
     _prior: tuple | None = None                   # the last context's costs over its decode step: (draft
     #                                               level, {verify key: fixed}), until this one's are measured
     _guessed: bool = False                        # guesses scored since the last round
@@ -116,6 +117,7 @@ class SpecPolicy:
 
     # ------------------------------------------------------------ estimates
     def _add(self, seen: deque, seconds: float) -> None:
+        self._version += 1
         seen.append(seconds)
         while len(seen) > self.window:
             seen.popleft()
@@ -244,7 +246,25 @@ class SpecPolicy:
         were accepted, by the costs measured at this context (or the last context's, in decode steps).
         While it could not, the drafter's guesses and the probe rounds only cost time: a reply with
         no round at all ran 0.92-0.96x plain for them on the embedded pair, where a round cost ~6
-        plain steps (docs/speculation.md, eleventh pass). True while the costs are unknown."""
+        plain steps (docs/speculation.md, eleventh pass). True while the costs are unknown. The answer
+        is kept until a cost is measured again or a depth's verify graph changes (it is asked every
+        plain step, where ~20 µs is 1% of the embedded pair's step)."""
+        graphs = self._graphs
+        kept = self._can_pay
+        if kept is not None and kept[0] == self._version and (graphs is None or kept[1] == graphs):
+            return kept[2]
+        if graphs is None:  # each depth's verify graph, asked once (as choose() does)
+            self._graphs = (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None
+                            else tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
+        try:
+            answer = self._rounds_can_pay()
+            self._can_pay = (self._version, self._graphs, answer)
+        finally:
+            if graphs is None:
+                self._graphs = None
+        return answer
+
+    def _rounds_can_pay(self) -> bool:
         costs = self._costs()
         if costs is None and self.guessing and self._prior is not None:
             costs = (*self._prior, None)  # before this context's first plain steps: the last one's, in decode steps
@@ -256,21 +276,11 @@ class SpecPolicy:
             return True
         else:
             unit = self.decode_s / costs[2]  # the costs' unit in decode steps
-        asked = self._graphs is None
-        if asked:  # each depth's verify graph, asked once (as choose() does)
-            self._graphs = (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None
-                            else tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
-        try:
-            key = (costs[0], tuple(sorted(costs[1].items())), self._graphs)
-            if self._ceiling is None or self._ceiling[0] != key:
-                rounds = [self._round_cost(d, costs) for d in range(1, self.max_depth + 1)]
-                self._ceiling = (key, None if None in rounds
-                                 else max((d + 1) / max(c, 1e-12) for d, c in enumerate(rounds, 1)))
-        finally:
-            if asked:
-                self._graphs = None
-        best = self._ceiling[1]
-        return best is None or best * unit > self.margin * (1 + self.hysteresis)
+        rounds = [self._round_cost(d, costs) for d in range(1, self.max_depth + 1)]
+        if None in rounds:
+            return True
+        best = max((d + 1) / max(c, 1e-12) for d, c in enumerate(rounds, 1))
+        return best * unit > self.margin * (1 + self.hysteresis)
 
     def budget_interval(self) -> int:
         """Plain steps a probe must wait for so that its expected extra time (two rounds of the best
@@ -299,6 +309,7 @@ class SpecPolicy:
         depends on the text; the guesses measure it within guess_every steps). Without guesses the
         acceptance evidence stays: it decays round by round."""
         far = self._context is not None and abs(tokens - self._context) > max(512, self._context // 2)
+        self._version += 1
         if far or fresh:  # a new context or text: its guesses are asked soon (below, why)
             self.guess_interval = self.guess_every
         if far:

@@ -127,6 +127,9 @@ def test_where_no_round_could_pay_there_are_no_probes():
     assert not hopeless.rounds_can_pay()
     r = runs(dec)
     assert r[:3] == [("r", 2), ("p", 200), ("r", 2)]  # measure, then plain; a two-round probe per 200
+    for _ in range(9):  # the verify got cheaper (its graph re-measured): the kept answer is asked again
+        hopeless.record_round(6, 6, 6 * MS, 20 * MS)
+    assert hopeless.rounds_can_pay()
     hopeful = SpecPolicy(6, probe_budget=0)  # 6 drafts for 36 ms: 5.1 ms a token at best
     dec = drive(hopeful, 120, 10 * MS, 1 * MS, 30 * MS, lambda d, k: 0)
     assert hopeful.rounds_can_pay()

@@ -113,16 +113,19 @@ def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> s
 
 # ---------------------------------------------------------------- speculation
 def policy_for(engine) -> SpecPolicy:
-    """The policy carries over from reply to reply (its costs and acceptance still hold); a new one
-    when the draft shape changed (a tree's acceptance and verify sizes say nothing of a chain's: kept,
-    a top-4 tree's costs held chain rounds back) or engine.make_policy was replaced."""
-    policy = getattr(engine, "_policy", None)
-    shape = dict(engine.draft_shape)
-    if policy is None or engine._policy_shape != shape or engine._policy_maker is not engine.make_policy:
-        engine._policy, engine._policy_maker = engine.make_policy(engine), engine.make_policy
-        engine._policy_shape = shape
-    engine._policy.guessing = callable(getattr(engine.drafter, "guess", None))  # the drafter may be swapped
-    return engine._policy
+    """One policy per draft shape, kept from reply to reply and when the shape is switched away and
+    back (its costs and acceptance still hold for that shape: a bench_speculative run that alternates
+    a chain and a tree paid each repeat's measuring rounds again); shapes are kept apart (a tree's
+    acceptance and verify sizes say nothing of a chain's: a top-4 tree's costs held chain rounds
+    back); all new when engine.make_policy was replaced."""
+    if getattr(engine, "_policies", None) is None or engine._policy_maker is not engine.make_policy:
+        engine._policies, engine._policy_maker = {}, engine.make_policy
+    key = tuple(sorted(engine.draft_shape.items()))
+    policy = engine._policies.get(key)
+    if policy is None:
+        policy = engine._policies[key] = engine.make_policy(engine)
+    policy.guessing = callable(getattr(engine.drafter, "guess", None))  # the drafter may be swapped
+    return policy
 
 
 def round_fits(engine) -> bool:

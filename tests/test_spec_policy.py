@@ -537,6 +537,10 @@ def test_a_new_draft_shape_starts_a_new_policy(eagle3_export):
     engine.draft_shape = {"top_k": 1, "depth": 3, "total_tokens": 3}
     chain_policy = generation.policy_for(engine)
     assert chain_policy is not tree_policy and chain_policy.successes == chain_policy.failures == 0
+    engine.draft_shape = {"top_k": 4, "depth": 3, "total_tokens": 10}
+    assert generation.policy_for(engine) is tree_policy  # back to the tree: what it measured still holds
+    engine.make_policy = lambda e: SpecPolicy(3)
+    assert generation.policy_for(engine) is not tree_policy  # a new maker: every policy anew
 
 
 def test_the_best_depth_follows_every_new_measurement():

@@ -117,7 +117,8 @@ class SpecPolicy:
 
     # ------------------------------------------------------------ estimates
     def _add(self, seen: deque, seconds: float) -> None:
-        self._version += 1
+        if seen is not self._decode:  # (a plain step moves the costs only when it moves decode_s: record_plain)
+            self._version += 1
         seen.append(seconds)
         while len(seen) > self.window:
             seen.popleft()
@@ -338,6 +339,14 @@ class SpecPolicy:
     # ------------------------------------------------------------ decisions
     def choose(self) -> int:
         """Depth of the next step's draft; 0 = a plain decode step."""
+        kept = self._can_pay
+        if (kept is not None and not kept[2] and kept[0] == self._version and self._last == "plain"
+                and not (self._refreshing or self._probe_depth or self._await_guesses)
+                and self._plain_run < self.max_budget_interval):
+            # plain decoding where no round could pay, until the next probe: what _choose would answer,
+            # without its ~15 µs a step (1% of the embedded pair's step)
+            self.decisions.append(0)
+            return 0
         # each depth's verify graph, asked once for the whole decision (it was asked ~18 times a step:
         # ~40 of a policy's ~60 µs a step on the embedded pair)
         self._graphs = (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None  # (None
@@ -407,7 +416,10 @@ class SpecPolicy:
 
     def record_plain(self, seconds: float) -> None:
         if self._last == "plain":
+            before = self.decode_s
             self._add(self._decode, seconds)
+            if self.decode_s != before:  # rounds_can_pay's answer is kept until then: it was asked anew
+                self._version += 1       # every plain step, ~20 µs of the embedded pair's 1.5 ms
         self._last = "plain"
         self._plain_run += 1
         self._spec_run = 0

@@ -74,11 +74,8 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                 emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]
-                if policy is not None and policy.guessing and engine.drafter_feed.decoded >= policy.guess_interval:
-                    if policy.rounds_can_pay():
-                        catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
-                    else:  # none could pay: asked again after another interval
-                        policy.guess_interval = engine.drafter_feed.decoded + policy.guess_every
+                if policy is not None and policy.guesses_due(engine.drafter_feed.decoded):
+                    catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
             else:
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
             new.extend(emitted)  # in the context now, whether or not the caller takes them all

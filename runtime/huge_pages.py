@@ -110,7 +110,7 @@ def new_memory_on_huge_pages(background: bool = True):
         return
     thread = threading.Thread(target=back_with_huge_pages, args=(spans,), name="hybrid-npu-huge-pages", daemon=True)
     thread.start()
-    _threads.append(thread)
+    _threads[:] = [t for t in _threads if t.is_alive()] + [thread]  # a long-lived process keeps no finished ones
 
 
 def wait() -> None:

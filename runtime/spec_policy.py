@@ -254,9 +254,8 @@ class SpecPolicy:
         kept = self._can_pay
         if kept is not None and kept[0] == self._version and (graphs is None or kept[1] == graphs):
             return kept[2]
-        if graphs is None:  # each depth's verify graph, asked once (as choose() does)
-            self._graphs = (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None
-                            else tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
+        if graphs is None:
+            self._graphs = self._graphs_now()
         try:
             answer = self._rounds_can_pay()
             self._can_pay = (self._version, self._graphs, answer)
@@ -337,6 +336,11 @@ class SpecPolicy:
             self._context = tokens
 
     # ------------------------------------------------------------ decisions
+    def _graphs_now(self) -> tuple:
+        """Each depth's verify graph, asked of the engine once (for a whole decision, or one check)."""
+        return (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None
+                else tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
+
     def choose(self) -> int:
         """Depth of the next step's draft; 0 = a plain decode step."""
         kept = self._can_pay
@@ -349,8 +353,7 @@ class SpecPolicy:
             return 0
         # each depth's verify graph, asked once for the whole decision (it was asked ~18 times a step:
         # ~40 of a policy's ~60 µs a step on the embedded pair)
-        self._graphs = (tuple(self.verify_graphs(self.max_depth)) if self.verify_graphs is not None  # (None
-                        else tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))           # between calls)
+        self._graphs = self._graphs_now()  # (None between calls)
         try:
             d = self._choose()
         finally:
@@ -423,6 +426,16 @@ class SpecPolicy:
         self._last = "plain"
         self._plain_run += 1
         self._spec_run = 0
+
+    def guesses_due(self, decoded: int) -> bool:
+        """Whether the drafter's guesses should be scored now, after `decoded` plain steps not yet shown
+        it: their interval has passed and a round could pay (else they are asked again an interval on)."""
+        if not self.guessing or decoded < self.guess_interval:
+            return False
+        if not self.rounds_can_pay():
+            self.guess_interval = decoded + self.guess_every
+            return False
+        return True
 
     def record_guesses(self, hits) -> None:
         """The drafter's first guesses before tokens the target decoded plainly, each a hit or not:

@@ -61,6 +61,14 @@ class LazyPipelines(dict):
         self._opening[name] = pool.submit(self._open, name)
         pool.shutdown(wait=False)
 
+    def ready(self, name: str) -> bool:
+        """Whether looking `name` up now returns at once rather than waiting for its prefetch (a name
+        never prefetched counts as ready: its lookup opens it, as it always did)."""
+        if name in self:
+            return True
+        opening = self._opening.get(name)
+        return opening is None or opening.done()
+
     def __missing__(self, name: str) -> Pipeline:
         if name not in self._names:
             raise KeyError(name)

@@ -70,7 +70,9 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
         yield new[0]
         while not done():
             depth = (policy.choose() if policy else engine.draft_shape["depth"]) if speculative else 0
-            if depth and round_fits(engine):  # near the plan's limit the last tokens decode plainly
+            # near the plan's limit the last tokens decode plainly; so do those while the verify session
+            # is still opening (a fresh engine's first reply): waiting for it cost that reply ~3x
+            if depth and round_fits(engine) and engine.pipelines.ready("verify"):
                 emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]

@@ -562,3 +562,32 @@ def test_the_best_depth_follows_every_new_measurement():
     fresh = feed(SpecPolicy(6, verify_nodes=lambda d: 2 if d == 1 else 8), False)
     assert asked[0] == asked[1] and asked[0][0] == 6
     assert asked[-1] == fresh[-1] and asked[-1][1] < asked[0][1] / 10
+
+
+@pytest.mark.verify_in_background
+def test_a_fresh_engine_decodes_plainly_while_its_verify_session_opens(eagle3_export):
+    """The verify session opens in the background after a load; a round that waited for it cost a
+    fresh engine's first reply ~3x (scripts/demo.py). Rounds start once it is open, and the output is
+    the plain one throughout."""
+    import threading
+    from concurrent.futures import Future
+
+    engine = hybrid_npu.load(eagle3_export)
+    opened = engine.pipelines._opening.pop("verify").result()  # the load's prefetch, held back below
+    still_opening = Future()
+    engine.pipelines._opening["verify"] = still_opening
+    # (a round that waits for the session gets it after 30 s, and then fails the counts below)
+    late = threading.Timer(30, lambda: still_opening.done() or still_opening.set_result(opened))
+    late.start()
+    prompt = [int(t) for t in np.random.default_rng(11).integers(0, 300, CHUNK + 4)]
+    plain = engine.generate(prompt, 48, stop_at_eos=False, speculative=False)
+    engine.make_policy = lambda e: Scripted([6])  # a round whenever one can run
+    try:
+        assert engine.generate(prompt, 48, stop_at_eos=False) == plain
+        assert engine.last_stats["rounds"] == 0 and engine.last_stats["plain_steps"] == 47
+        assert "verify" not in engine.pipelines  # never waited for
+    finally:
+        late.cancel()
+    still_opening.done() or still_opening.set_result(opened)
+    assert engine.generate(prompt, 48, stop_at_eos=False) == plain
+    assert engine.last_stats["rounds"] > 0

@@ -1,0 +1,38 @@
+"""scripts/bench_spec_chat.py: a multi-turn chat through the export's template on a speculating and a
+plain engine; the replies are compared token for token (greedy speculation is lossless), and bad
+arguments are one line and exit 2."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _run(*args, cwd):
+    return subprocess.run([sys.executable, str(SCRIPTS / "bench_spec_chat.py"), *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_three_turns_on_the_embedded_model_give_the_plain_replies(tmp_path):
+    run = _run("--turns", "3", "--new", "24", "--out", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result == json.loads((tmp_path / "r.json").read_text())
+    turns = result["turns"]
+    assert [t["turn"] for t in turns] == [0, 1, 2] and result["mismatches"] == 0
+    assert all(t["same_output"] and 1 <= t["new_tokens"] <= 24 for t in turns)
+    # each turn keeps the conversation: the context grows, and later turns reuse what came before
+    assert turns[0]["reused_tokens"] == 0 and all(t["reused_tokens"] > 0 for t in turns[1:])
+    assert turns[0]["context_tokens"] < turns[1]["context_tokens"] < turns[2]["context_tokens"]
+
+
+def test_an_export_without_a_drafter_is_one_line(text_tied, tmp_path):
+    run = _run("--model", str(text_tied.out), cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "--drafter" in run.stderr
+
+
+def test_zero_turns_is_refused(tmp_path):
+    run = _run("--turns", "0", cwd=tmp_path)
+    assert run.returncode == 2 and "--turns" in run.stderr and "Traceback" not in run.stderr

@@ -79,6 +79,7 @@ class SpecPolicy:
     #                                       ~1.5 ms on the embedded pair, whatever the count)
     guesses_per_catch_up: int = 8         # the last this many of them scored (keep^8 = 0.34: older ones weigh little)
     max_guess_every: int = 256            # ... the interval doubling up to this while the guesses say plain
+    plain_sample_every: int = 8           # while no round could pay, one plain step in this many is timed
     guess_near: float = 0.85              # guesses that put rounds within this of plain's rate still probe: a
     #                                       guess is a depth-1 draft, and acceptance comes in runs (embedded
     #                                       pair, 24-token prompt: guesses 0.69, rounds 0.87 a token)
@@ -108,6 +109,7 @@ class SpecPolicy:
     _graphs: tuple | None = None                  # inside choose(): each depth's verify graph
     guess_interval: int = 0                       # plain steps until the next guesses are due
     _await_guesses: bool = False                  # at a far context: plain steps until the guesses judge rounds
+    _fast_plain: bool = False                     # the last choose() answered plain where no round could pay
 
     def __post_init__(self):
         if self.max_depth < 1:
@@ -350,7 +352,9 @@ class SpecPolicy:
             # plain decoding where no round could pay, until the next probe: what _choose would answer,
             # without its ~15 µs a step (1% of the embedded pair's step)
             self.decisions.append(0)
+            self._fast_plain = True
             return 0
+        self._fast_plain = False
         # each depth's verify graph, asked once for the whole decision (it was asked ~18 times a step:
         # ~40 of a policy's ~60 µs a step on the embedded pair)
         self._graphs = self._graphs_now()  # (None between calls)
@@ -416,6 +420,19 @@ class SpecPolicy:
             self._probe_depth = best[0] or self.measuring_depth()
             return self._probe_depth
         return 0
+
+    def times_plain(self) -> bool:
+        """Whether the next plain step is to be timed (record_plain) or only counted (count_plain): all
+        are, except while plain decoding runs where no round could pay, where one in
+        plain_sample_every is (enough for decode_s to follow the context; timing each step and
+        recording it cost ~0.8% of the embedded pair's 1.8 ms step, paired, twelfth pass)."""
+        return not self._fast_plain or self._plain_run % self.plain_sample_every == 0
+
+    def count_plain(self) -> None:
+        """A plain step that was not timed (times_plain said so): the run's bookkeeping only."""
+        self._last = "plain"
+        self._plain_run += 1
+        self._spec_run = 0
 
     def record_plain(self, seconds: float) -> None:
         if self._last == "plain":

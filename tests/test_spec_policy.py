@@ -137,6 +137,29 @@ def test_where_no_round_could_pay_there_are_no_probes():
     assert SpecPolicy(6).rounds_can_pay()  # nothing measured: unknown, so rounds are tried
 
 
+def test_where_no_round_could_pay_one_plain_step_in_eight_is_timed():
+    """Timing and recording each plain step was ~0.8% of the embedded pair's step; where choose()
+    answers plain because no round could pay, only every eighth one is timed, the others counted, and
+    the probe still comes after max_budget_interval plain steps."""
+    p = SpecPolicy(6, probe_budget=0, max_budget_interval=200)
+    drive(p, 40, 10 * MS, 1 * MS, 80 * MS, lambda d, k: d)  # measuring rounds, then hopeless plain steps
+    assert not p.rounds_can_pay() and p.decisions[-1] == 0
+    timed = steps = 0
+    while p.choose() == 0:
+        steps += 1
+        if p.times_plain():
+            p.record_plain(10 * MS)
+            timed += 1
+        else:
+            p.count_plain()
+        assert steps < 1000
+    assert 40 + steps >= 200 - 4  # the probe came when the plain run reached the interval, as before
+    assert steps // 8 <= timed <= steps // 8 + 2
+    assert list(p._decode)[-1] == 10 * MS  # the timed ones still set decode_s
+    busy = SpecPolicy(6)  # rounds could pay (nothing measured): every plain step is timed
+    assert busy.choose() and busy.times_plain()
+
+
 def test_the_last_contexts_costs_judge_whether_a_round_could_pay_before_any_plain_step():
     """At a far context the costs are the last context's in decode steps: with a guessing drafter they
     say whether guesses are worth asking before this context's first plain step is timed."""

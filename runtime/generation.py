@@ -136,13 +136,11 @@ def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) 
     """One decode step inside a speculative generation: the drafter is shown it later, in one call
     before the next round or when the policy's guesses are due (catch_up_drafter), not one call
     per plain token."""
-    if policy is None or policy.times_plain():
-        t0 = time.perf_counter()
-        nxt = sampler.choose(engine._step("decode", [token]))
-        if policy is not None:
-            policy.record_plain(time.perf_counter() - t0)
-    else:
-        nxt = sampler.choose(engine._step("decode", [token]))
+    t0 = time.perf_counter()
+    nxt = sampler.choose(engine._step("decode", [token]))
+    if policy is not None and policy.times_plain():
+        policy.record_plain(time.perf_counter() - t0)
+    elif policy is not None:  # where no round could pay, most plain steps are only counted
         policy.count_plain()
     engine.drafter_feed.add([nxt], engine._taps(engine._last_out, slice(0, 1)), decoded=True)  # (a slice: no index array)
     engine.spec_stats["plain_steps"] += 1

@@ -440,9 +440,7 @@ class SpecPolicy:
             self._add(self._decode, seconds)
             if self.decode_s != before:  # rounds_can_pay's answer is kept until then: it was asked anew
                 self._version += 1       # every plain step, ~20 µs of the embedded pair's 1.5 ms
-        self._last = "plain"
-        self._plain_run += 1
-        self._spec_run = 0
+        self.count_plain()
 
     def guesses_due(self, decoded: int) -> bool:
         """Whether the drafter's guesses should be scored now, after `decoded` plain steps not yet shown

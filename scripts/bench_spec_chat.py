@@ -23,17 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
-import stdlib_corpus  # noqa: E402
-from bench_speculative import machine  # noqa: E402
+from bench_speculative import held_out_messages, machine  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 from hybrid_npu.errors import UserError  # noqa: E402
-
-
-def user_turns(n: int) -> list[str]:
-    """The held-out chat prompts (never trained on), in a fixed order."""
-    docs = sorted((d for d in stdlib_corpus.documents() if d.held_out and d.kind != "code"), key=lambda d: d.name)
-    return [d.prompt for d in docs[:n]]
 
 
 def measure(model: Path | None, turns: int, new: int, threads: int, fresh: bool) -> dict:
@@ -49,7 +42,7 @@ def measure(model: Path | None, turns: int, new: int, threads: int, fresh: bool)
             engine.pipelines["verify"]  # wait for the background open: steady turns only
     chats = {mode: Conversation(engine) for mode, engine in engines.items()}
     rows = []
-    for i, text in enumerate(user_turns(turns)):
+    for i, text in enumerate(held_out_messages(turns)):
         replies = {}
         for mode in ("speculative", "plain") if i % 2 == 0 else ("plain", "speculative"):
             sampling = Sampling(max_new_tokens=new, temperature=0.0, speculative=mode == "speculative")

@@ -43,10 +43,15 @@ SHAPES = {"tree": {"top_k": 4, "depth": 6, "total_tokens": 31},
           "chain": {"top_k": 1, "depth": 6, "total_tokens": 6}}
 
 
-def held_out_prompts(n: int) -> list[str]:
+def held_out_messages(n: int) -> list[str]:
+    """The held-out chat prompts' user messages (never trained on), in a fixed order."""
     docs = [d for d in stdlib_corpus.documents() if d.held_out and d.kind != "code"]
     docs.sort(key=lambda d: d.name)
-    return [stdlib_corpus.chat_text(d.prompt) for d in docs[:n]]
+    return [d.prompt for d in docs[:n]]
+
+
+def held_out_prompts(n: int) -> list[str]:
+    return [stdlib_corpus.chat_text(m) for m in held_out_messages(n)]
 
 
 def source_ids(tokenizer, n: int) -> list[int]:

@@ -50,6 +50,12 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", help="mtp: the checkpoint's own MTP head (mtp.* tensors) drafts; or an EAGLE-3 "
                                      "drafter checkpoint directory (official/SpecForge or speculators layout) to "
                                      "export beside the model; speculation is then on by default")
+    p.add_argument("--mtp-vocab", type=int, metavar="N",
+                   help="with --drafter mtp: the head drafts only the N most frequent tokens (e.g. 32768 of "
+                        "248,320: a draft step's head product N/V the size; lossless, the target verifies)")
+    p.add_argument("--mtp-vocab-text", metavar="FILE",
+                   help="with --mtp-vocab: count token frequencies over this UTF-8 text (default: the "
+                        "tokenizer's merge order)")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
     p.add_argument("--force", action="store_true",
                    help="also replace an output directory holding a damaged or older export (a directory that is "

@@ -27,7 +27,8 @@ from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
-from .mtp_drafter import export_mtp, read_mtp
+from .draft_vocab import added_token_ids, choose_draft_vocab, token_counts
+from .mtp_drafter import export_mtp, read_mtp, trim_head
 from hybrid_npu import integrity
 from .manifest import FORMAT, MANIFEST, value_infos
 from .out_dir import check_output, finish_partial, make_partial, os_error_line, remove_stale_partials
@@ -110,6 +111,8 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
         _check_nbits_widths(ck.config, plan.quant.block_size)
     dck = read_drafter(plan.eagle3, ck.config, lambda: ck.load("embed_tokens.weight")) if plan.eagle3 else None
     mck = read_mtp(ck, plan.mtp) if plan.wants_mtp else None
+    if mck is not None and plan.options.mtp_vocab is not None:
+        mck = trim_head(mck, mtp_draft_ids(ck, plan.options))
     check_output(ck.path, out, force)
     capacity, note = npu_capacity(plan.profile, plan.options.max_context, plan.chunk, ck.config)
     if capacity is not None:
@@ -154,6 +157,14 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def mtp_draft_ids(ck, options: ExportOptions):
+    """The target ids a trimmed MTP head drafts (--mtp-vocab N, --mtp-vocab-text FILE)."""
+    tok = ck.path / "tokenizer.json"
+    v = ck.config.vocab_size
+    counts = None if options.mtp_vocab_text is None else token_counts(options.mtp_vocab_text, tok, v)
+    return choose_draft_vocab(v, options.mtp_vocab, added_token_ids(tok) | set(ck.config.eos_token_ids), counts)
 
 
 def check_tokenizer(src: Path, warn: Callable[[str], None]) -> None:

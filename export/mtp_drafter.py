@@ -15,7 +15,7 @@ serve both; runtime/mtp.py):
   mtp_in.onnx   taps [N, H] (tap.{L})  -> features [N, H]  (the target's final norm)
   mtp.onnx      features [N, H], input_ids [N], rope_cos/rope_sin [N, rd], attn_mask [N, past+N],
                 past_key/past_value [nKV, past, hd], logit_rows [M]
-                -> logits [M, V], hidden [M, H] (mtp.norm(x)) of the rows `logit_rows` only,
+                -> logits [M, V] (a trimmed head: [M, Vd]), hidden [M, H] (mtp.norm(x)) of the rows `logit_rows` only,
                    new_key/new_value [nKV, N, hd] of every row (a row's K/V depends on it alone)
 The embedding and lm_head are the target's, copied into the drafter's weights (see the doc for
 what that costs at real size).
@@ -37,7 +37,8 @@ from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
 
-from .drafter import drafter_linear, drafter_step_inputs, drafter_weight_plan, weight_input, weights_entry, write_drafter_files
+from .drafter import (VOCAB_FILE, drafter_linear, drafter_step_inputs, drafter_weight_plan, weight_input,
+                      weights_entry, write_drafter_files)
 from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
 
@@ -46,6 +47,7 @@ IN_GRAPH, STEP_GRAPH = "mtp_in", "mtp"
 N, M = "n", "m"
 P = "mtp."
 A, MLP = P + "layers.0.self_attn.", P + "layers.0.mlp."
+DRAFT_HEAD = "draft_head.weight"  # a trimmed head's rows of the target's lm_head (trim_head)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class MtpCheckpoint:
     config: MtpConfig
     shapes: dict[str, tuple[int, ...]]
     loaders: dict[str, Callable[[], np.ndarray]] = field(repr=False)
+    draft_ids: np.ndarray | None = field(default=None, repr=False)  # a trimmed head's target ids (trim_head)
 
     def load(self, name: str) -> np.ndarray:
         arr = np.asarray(self.loaders[name]())
@@ -185,21 +188,42 @@ class _Graphs:
         x = g.op("Add", x, self.linear(g, g.op("Mul", g.silu(up_gate[0]), up_gate[1]), MLP + "down_proj",
                                        [MLP + "down_proj.weight"])[0])
         out = self.norm(g, x, P + "norm.weight")
-        src = "lm_head.weight" if "lm_head.weight" in self.ck.shapes else "embed_tokens.weight"  # tied: one copy
-        if self.plan.quant is None:
+        src = head_source(self.ck)
+        if self.plan.quant is None:  # (untrimmed and tied: the embedding's table, one copy)
             logits = g.op("Gemm", out, self.w(g, self.plan.table(src, self.ck.shapes[src])), transB=1)
         else:  # its own block-quantised copy (the table stays for the embedding's Gather)
             logits = self.linear(g, out, "lm_head", [src], head=True)[0]
-        g.output(logits, "logits", np.float32, [M, c.vocab_size])
+        g.output(logits, "logits", np.float32, [M, self.ck.shapes[src][0]])
         g.output(out, "hidden", np.float32, [M, H])
         g.output(new_k, "new_key", np.float32, [nkv, N, hd])
         g.output(new_v, "new_value", np.float32, [nkv, N, hd])
         return g
 
 
+def head_source(ck: MtpCheckpoint) -> str:
+    """The tensor the head's logits come from: the trimmed rows when there are (trim_head), else the
+    target's lm_head, or its embedding when tied."""
+    for name in (DRAFT_HEAD, "lm_head.weight"):
+        if name in ck.shapes:
+            return name
+    return "embed_tokens.weight"
+
+
+def trim_head(ck: MtpCheckpoint, draft_ids: np.ndarray) -> MtpCheckpoint:
+    """The head drafting only `draft_ids` (ascending target ids; export/draft_vocab.py): its logits
+    are rows draft_ids of the target's lm_head, draft id i standing for target id draft_ids[i]."""
+    src, ids = head_source(ck), np.asarray(draft_ids, np.int64)
+    shapes = {**ck.shapes, DRAFT_HEAD: (len(ids), ck.shapes[src][1])}
+    loaders = {**ck.loaders, DRAFT_HEAD: lambda: np.ascontiguousarray(ck.load(src)[ids])}
+    return MtpCheckpoint(ck.source, ck.config, shapes, loaders, draft_ids=ids)
+
+
 def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> dict:
-    """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir;
-    returns the manifest. quant: the target's QuantSpec (export/drafter.py drafter_weight_plan)."""
+    """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir, and
+    for a trimmed head (trim_head) vocab.safetensors, its draft-to-target ids; returns the manifest.
+    quant: the target's QuantSpec (export/drafter.py drafter_weight_plan)."""
+    from safetensors.numpy import save_file
+
     plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,5 +236,9 @@ def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> d
                  "layers": [c.num_layers], "input_order": [c.num_layers]},
         "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
     }
+    ids = ck.draft_ids
+    if ids is not None:  # the same record as an EAGLE-3 drafter's own vocabulary (runtime/eagle3.py reads it)
+        save_file({"draft_to_target": np.ascontiguousarray(ids, dtype=np.int64)}, str(out / VOCAB_FILE))
+        manifest["vocab"] = {"file": VOCAB_FILE, "tensor": "draft_to_target", "draft_vocab_size": len(ids)}
     (out / DRAFTER_MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest

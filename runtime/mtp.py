@@ -5,7 +5,8 @@ The head is an EAGLE-style drafter with one feature, the target's residual after
 position is t, as vLLM and llama.cpp place it), a chained step feeds the head its own output hidden
 (mtp.norm), and its K/V grows over the accepted context with the tree rows written past it and
 forgotten. That is exactly runtime/eagle3.py's bookkeeping (stable K/V, window, EAGLE-2 trees from
-the top-k, rewind), so this class only opens the MTP graphs; the vocabulary is the target's.
+the top-k, rewind), so this class only opens the MTP graphs; the vocabulary is the target's, or
+the trimmed head's subset of it (export/draft_vocab.py).
 """
 from __future__ import annotations
 
@@ -40,7 +41,12 @@ class MtpDrafter(Eagle3Drafter):
         self.rotary_dim, self.rope_theta = c["rotary_dim"], c["rope_theta"]
         self.input_order = tuple(self.manifest["taps"]["input_order"])  # (L,): tap.{L}
         self.tap_width = c["hidden_size"]
-        self.draft_to_target = np.arange(c["vocab_size"], dtype=np.int64)  # the target's own vocabulary
+        vocab = self.manifest.get("vocab")  # a trimmed head (--mtp-vocab): its draft id -> target id
+        if vocab is None:
+            self.draft_to_target = np.arange(c["vocab_size"], dtype=np.int64)  # the target's own vocabulary
+        else:
+            from safetensors.numpy import load_file
+            self.draft_to_target = load_file(str(self.path / vocab["file"]))[vocab["tensor"]]
         graphs = self.manifest["graphs"]
         weights = (self.path / self.manifest["weights"]["file"]).stat().st_size
         opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)  # as eagle3.py

@@ -1,0 +1,76 @@
+"""Which tokens a trimmed MTP head drafts (`export-hybrid --drafter mtp --mtp-vocab N`).
+
+The MTP head's lm_head is the target's, 248,320 rows on every released Qwen3.5: each draft step
+is a full-vocabulary product, ~0.2 of a decode step at 0.8B (docs/mtp-drafter.md). Drafting only
+the N most frequent tokens cuts that product N/V-fold and stays lossless, since the target verifies
+every draft: a token outside the N is never proposed, and the round then emits the target's own
+token instead (FR-Spec's frequency-ranked draft vocabulary; FastMTP and the llama.cpp `d2t` MTP
+heads trim Qwen3.5's 248k to 32k the same way).
+
+Frequent by what: by counts over a text the user gives (`--mtp-vocab-text`: their own kind of
+text), else by the tokenizer's own order. A byte-level BPE numbers its tokens in merge order, and
+a merge is learned when its pair is the most frequent one left in the tokenizer's training text,
+so low ids are the common ones. The tokenizer's added tokens (<|im_end|>, <think>, the tool-call
+markers: what a chat reply is made of) and the model's stop tokens are always kept.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hybrid_npu.errors import UserError
+
+MIN_DRAFT_VOCAB = 2
+
+
+def added_token_ids(tokenizer_json: Path) -> set[int]:
+    """The ids of the tokenizer's added tokens (special and not): tokenizer.json's "added_tokens"."""
+    try:
+        data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    return {int(t["id"]) for t in data.get("added_tokens", [])}
+
+
+def token_counts(text_file: Path, tokenizer_json: Path, vocab_size: int) -> np.ndarray:
+    """How often each id occurs in the UTF-8 text file, tokenized by the export's tokenizer."""
+    from tokenizers import Tokenizer
+
+    text_file = Path(text_file)
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--mtp-vocab-text {text_file}: no such file; give a UTF-8 text of the kind you will "
+                        "chat about, or leave it out (the tokenizer's own order is used)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--mtp-vocab-text {text_file}: cannot read it as UTF-8 text ({e}); give a UTF-8 text "
+                        "file") from None
+    if not Path(tokenizer_json).is_file():
+        raise UserError(f"--mtp-vocab-text needs the checkpoint's tokenizer.json to count tokens, and "
+                        f"{Path(tokenizer_json).parent} has none")
+    ids = np.asarray(Tokenizer.from_file(str(tokenizer_json)).encode(text, add_special_tokens=False).ids, np.int64)
+    if not len(ids):
+        raise UserError(f"--mtp-vocab-text {text_file} is empty; give a text to count tokens over")
+    return np.bincount(ids[ids < vocab_size], minlength=vocab_size)
+
+
+def choose_draft_vocab(vocab_size: int, n: int, always: set[int], counts: np.ndarray | None = None) -> np.ndarray:
+    """The n target ids a trimmed head drafts, ascending: every id in `always` (added and stop
+    tokens), then the most frequent by `counts` (ties and unseen ids by id), or by id (merge order)
+    without counts."""
+    if not MIN_DRAFT_VOCAB <= n < vocab_size:
+        raise UserError(f"--mtp-vocab {n}: give a draft vocabulary between {MIN_DRAFT_VOCAB} and "
+                        f"{vocab_size - 1} tokens (the target has {vocab_size}; leave it out to draft over all "
+                        "of them)")
+    always = sorted(i for i in always if 0 <= i < vocab_size)
+    if len(always) > n:
+        raise UserError(f"--mtp-vocab {n} is smaller than the {len(always)} added and stop tokens a chat reply "
+                        f"needs; give at least {len(always)}")
+    order = np.arange(vocab_size) if counts is None else np.lexsort((np.arange(vocab_size), -counts))
+    chosen = np.zeros(vocab_size, bool)
+    chosen[always] = True
+    rest = order[~chosen[order]][: n - len(always)]
+    chosen[rest] = True
+    return np.flatnonzero(chosen).astype(np.int64)

@@ -18,6 +18,10 @@ for the target (one layer mirroring its attention and MLP, --draft-vocab ids, th
 target's), exported at each weights mode (int: the target's QuantSpec); the modelled speed-ups
 are then also given with that measured draft cost in place of --draft-fraction.
 
+--mtp-vocabs full,32768: also measure a draft level of a random MTP head (the released one-layer
+layout) shaped for the target, its head over the whole vocabulary ("full") or trimmed to N tokens
+(export-hybrid --mtp-vocab N), exported at the target's weights; modelled speed-ups as above.
+
 --model embedded-shape: the embedded default model's shape (8 layers, hidden 256, vocab 4096),
 random weights: what the sized verify would cost there (the shipped export has only the static
 16-node verify). --clock thread (with --threads 1): the calling thread's CPU time, where ONNX
@@ -75,6 +79,7 @@ def main() -> int:
     ap.add_argument("--draft-fraction", type=float, default=0.1)
     ap.add_argument("--drafter-weights", default="", help="e.g. float,int8,int4 (default: none)")
     ap.add_argument("--draft-vocab", type=int, default=32768)
+    ap.add_argument("--mtp-vocabs", default="", help="e.g. full,32768: random MTP heads, whole or trimmed")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     import hybrid_npu
@@ -101,6 +106,7 @@ def main() -> int:
     trees = {m: Tree([int(t) for t in rng.integers(0, cfg.vocab_size, m)], [-1] + list(range(m - 1))) for m in sizes}
     verify = engine.pipelines["verify"]
     drafters = {mode: open_drafter(engine, src, args, mode) for mode in args.drafter_weights.split(",") if mode}
+    drafters.update({f"mtp-{v}": open_mtp(engine, src, args, v) for v in args.mtp_vocabs.split(",") if v})
     result = {"machine": platform.machine(), "model": f"Qwen3.5-{args.model} config, random weights",
               "weights": args.weights, "threads": args.threads, "clock": args.clock, "repeats": args.repeats,
               "note": "machine shared with other jobs; calls interleaved, best of repeats", "contexts": []}
@@ -126,6 +132,9 @@ def main() -> int:
                 t = clock()
                 d._propose_chain(6)  # five drafter calls (the first level is the observe's logits)
                 level[mode] = min(level[mode], (clock() - t) / 5)
+            if drafters:  # the target's calls are timed in a run of them: a full-vocabulary MTP head's
+                # 0.8 GB, streamed just before, made the next decode step 2.4x slower (0.8B int4)
+                engine.pipelines["decode"].run(chain_feed(cfg, engine.state, [5], 1))
         decode = best[1]
         costs = {m: best[m] for m in sizes}
         row = {"context": context, "ms": {str(k): round(1e3 * v, 2) for k, v in best.items()},
@@ -136,7 +145,7 @@ def main() -> int:
         for mode, d in drafters.items():
             frac = level[mode] / decode
             row.setdefault("drafters", {})[mode] = {
-                "draft_vocab": args.draft_vocab, "weights_bytes": d.weights_bytes,
+                "draft_vocab": len(d.draft_to_target), "weights_bytes": d.weights_bytes,
                 "draft_level_ms": round(1e3 * level[mode], 2), "draft_level_over_decode": round(frac, 3),
                 "modelled": {f"a={a}": modelled_speedup(costs, decode, a, frac) for a in (0.6, 0.7, 0.8)}}
         result["contexts"].append(row)
@@ -164,6 +173,35 @@ def open_drafter(engine, src: Path, args, mode: str):
     d = Eagle3Drafter(out, threads=args.threads)
     d.weights_bytes = manifest["weights"]["bytes"]
     return d
+
+
+def open_mtp(engine, src: Path, args, vocab: str):
+    """A random real-shape MTP head at the target's weights, over the whole vocabulary or trimmed."""
+    from hybrid_npu.export.checkpoint import read_checkpoint
+    from hybrid_npu.export.mtp_drafter import export_mtp, read_mtp, trim_head
+    from hybrid_npu.runtime.mtp import MtpDrafter
+
+    from random_checkpoint import make_random_mtp
+
+    ck = read_mtp(read_checkpoint(src), make_random_mtp(engine.config, args.workdir / f"mtp-{args.model}"))
+    if vocab != "full":
+        ck = trim_head(ck, np.arange(int(vocab)))  # which ids does not change the cost
+    out = args.workdir / f"mtp-{args.model}-{args.weights}-v{vocab}"
+    manifest = export_mtp(ck, out, "fp32", engine_quant(engine))
+    d = MtpDrafter(out, threads=args.threads)
+    d.weights_bytes = manifest["weights"]["bytes"]
+    return d
+
+
+def engine_quant(engine):
+    """The export's QuantSpec, for a drafter quantised as its target (None: float)."""
+    from hybrid_npu.export.quantize import QuantSpec
+
+    q = engine.manifest["weights"]
+    if not q.get("bits"):
+        return None
+    return QuantSpec(bits=q["bits"], block_size=q.get("block_size", 32), symmetric=q.get("symmetric", True),
+                     head_bits=q.get("head_bits", 8))
 
 
 if __name__ == "__main__":

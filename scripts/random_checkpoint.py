@@ -95,6 +95,30 @@ def make_random_drafter(target_cfg, out: Path, draft_vocab: int, seed: int = 0) 
     return out
 
 
+def make_random_mtp(target_cfg, out: Path, seed: int = 0) -> Path:
+    """Write (once) a random MTP head (the released `mtp.*` names and shapes, one layer) for
+    `target_cfg` (a hybrid_npu ModelConfig), as a directory export_mtp's `source` reads. For timing,
+    not for drafting."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from hybrid_npu.export.mtp_drafter import MtpConfig, expected_shapes
+
+    out = Path(out)
+    marker = out / "random_mtp.json"
+    want = {"target_hidden": target_cfg.hidden_size, "vocab": target_cfg.vocab_size, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return out
+    rng = np.random.default_rng(seed)
+    w = {name: (np.zeros(shape, np.float32) if len(shape) == 1  # zero-centred norms: scale 1
+                else (rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])).astype(np.float32))
+         for name, shape in expected_shapes(MtpConfig.of(target_cfg)).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(out / "mtp.safetensors"))
+    marker.write_text(json.dumps(want))
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(REAL_TEXT_CONFIGS))

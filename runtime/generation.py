@@ -77,7 +77,9 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
             elif speculative:
                 emitted = [plain_step(engine, new[-1], sampler, policy)]
                 if policy is not None and policy.guesses_due(engine.drafter_feed.decoded):
+                    t = time.perf_counter()
                     catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
+                    policy.record_guess_cost(time.perf_counter() - t)
             else:
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
             new.extend(emitted)  # in the context now, whether or not the caller takes them all

@@ -38,7 +38,8 @@ step and a verified round both emit the target's own tokens (greedy) or its own 
 A drafter that can score its guesses (runtime/eagle3.py: its first-level guess before each token
 the target decoded plainly, computed in the catch-up observe it makes anyway) gives acceptance
 evidence without any round (record_guesses; asked every guess_every plain steps, less often while
-they say plain): while guesses come, plain decoding runs no probes unless the guesses leave
+they say plain, and never more often than their measured cost allows within guess_budget of the
+plain decoding between them): while guesses come, plain decoding runs no probes unless the guesses leave
 rounds within guess_near of paying (a guess is a depth-1 draft, and a drafter's acceptance comes
 in runs, so the guesses read low: 0.69 a token where rounds accepted 0.87), and at a far context
 a reply starts plainly, measuring rounds only if the guesses, at the last context's costs
@@ -80,12 +81,16 @@ class SpecPolicy:
     guesses_per_catch_up: int = 8         # the last this many of them scored (keep^8 = 0.34: older ones weigh little)
     max_guess_every: int = 256            # ... the interval doubling up to this while the guesses say plain
     plain_sample_every: int = 8           # while no round could pay, one plain step in this many is timed
+    guess_budget: float = 0.02            # the guesses may cost at most this share of the plain decoding
+    #                                       between them (each is a drafter call over the pairs since the
+    #                                       last: at 0.8B int4 a full-vocabulary MTP head's took ~1 decode step)
     guess_near: float = 0.85              # guesses that put rounds within this of plain's rate still probe: a
     #                                       guess is a depth-1 draft, and acceptance comes in runs (embedded
     #                                       pair, 24-token prompt: guesses 0.69, rounds 0.87 a token)
     # the last measurements of each cost
     _decode: deque = field(default_factory=deque)
     _draft_level: deque = field(default_factory=deque)
+    _guess_cost: deque = field(default_factory=deque)  # the drafter's guess calls (record_guess_cost)
     _fixed: dict = field(default_factory=dict)    # verify size -> round costs besides the draft
     successes: float = 0.0                        # decayed acceptance counts
     failures: float = 0.0
@@ -450,7 +455,26 @@ class SpecPolicy:
         if not self.rounds_can_pay():
             self.guess_interval = decoded + self.guess_every
             return False
+        afford = self.guess_budget_interval()
+        if decoded < afford:  # asked again once the plain steps since the last guesses pay for them
+            self.guess_interval = afford
+            return False
         return True
+
+    def guess_budget_interval(self) -> int:
+        """Plain steps that keep a guess call (its measured cost, record_guess_cost) within
+        `guess_budget` of the decoding between two of them; 0 while either cost is unknown."""
+        t_dec = self.decode_s
+        if t_dec is None or not self._guess_cost or self.guess_budget <= 0:
+            return 0
+        return math.ceil(self._median(self._guess_cost) / (self.guess_budget * t_dec))
+
+    def record_guess_cost(self, seconds: float) -> None:
+        """What a guess call (the drafter's catch-up that scores its guesses) took."""
+        self._guess_cost.append(seconds)
+        while len(self._guess_cost) > self.window:
+            self._guess_cost.popleft()
+        self._medians.pop(id(self._guess_cost), None)
 
     def record_guesses(self, hits) -> None:
         """The drafter's first guesses before tokens the target decoded plainly, each a hit or not:

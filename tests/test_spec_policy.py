@@ -309,6 +309,21 @@ def test_guesses_are_acceptance_evidence_and_replace_the_probes():
     assert any(list(p.decisions)[start:])  # speculating again, no probe needed
 
 
+def test_guesses_are_asked_no_more_often_than_their_measured_cost_allows():
+    """A guess call costing 2 decode steps, at a 2% budget, is due only after 100 plain steps (not the
+    base 32); with no cost measured yet, or a cheap one, at the base interval."""
+    def due_after(cost_steps):
+        p = SpecPolicy(6, guessing=True, probe_budget=0)
+        drive(p, 6, 10 * MS, 1 * MS, 12 * MS, lambda d, k: d)  # rounds could pay: guesses are worth asking
+        assert p.rounds_can_pay()
+        if cost_steps is not None:
+            p.record_guess_cost(cost_steps * 10 * MS)
+        return next(n for n in range(1, 1000) if p.guesses_due(n))
+    assert due_after(None) == due_after(0.1) == 32
+    assert due_after(2.0) == 100
+    assert due_after(4.0) == 200
+
+
 def test_a_far_context_starts_plainly_and_asks_the_guesses():
     """At a far context a guessing policy decodes plainly (no measuring rounds) until guesses come;
     guesses that say rounds lose keep it plain at the last context's relative costs, guesses that say
@@ -426,6 +441,7 @@ def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
     # scored) with the first token's pair before them; the last 7 wait for the drafter's next use,
     # here a catch-up asked for (all 7 scored)
     assert [(len(t), g) for t, _, g in pairs] == [(19, 0), (33, k + 1)] and len(scored) == k
+    assert len(policy._guess_cost) == 1 and policy._guess_cost[0] > 0  # the guess call's cost, for its budget
     generation.catch_up_drafter(engine, policy)
     assert [(len(t), g) for t, _, g in pairs][2:] == [(7, 7)] and len(scored) == k + 7
     from hybrid_npu.runtime.eagle3 import Eagle3Drafter

@@ -37,8 +37,8 @@ from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
 
-from .drafter import (VOCAB_FILE, drafter_linear, drafter_step_inputs, drafter_weight_plan, weight_input,
-                      weights_entry, write_drafter_files)
+from .drafter import (VOCAB_FILE, drafter_linear, drafter_step_inputs, drafter_weight_plan, gathered_rows,
+                      weight_input, weights_entry, write_drafter_files)
 from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
 
@@ -167,8 +167,8 @@ class _Graphs:
         c, g = self.c, GraphBuilder(STEP_GRAPH)
         H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h, ids, cos, sin, mask, past_k, past_v, rows = drafter_step_inputs(g, H, nkv, hd, c.rotary_dim)
-        table = self.w(g, self.plan.table("embed_tokens.weight", self.ck.shapes["embed_tokens.weight"]))
-        e = self.norm(g, g.op("Gather", table, ids, axis=0), P + "pre_fc_norm_embedding.weight")
+        table = self.plan.table("embed_tokens.weight", self.ck.shapes["embed_tokens.weight"])
+        e = self.norm(g, gathered_rows(g, self.plan, table, ids), P + "pre_fc_norm_embedding.weight")
         x = g.op("Concat", e, self.norm(g, h, P + "pre_fc_norm_hidden.weight"), axis=-1)  # embedding first
         x = self.linear(g, x, P + "fc", [P + "fc.weight"])[0]
         a = self.norm(g, x, P + "layers.0.input_layernorm.weight")

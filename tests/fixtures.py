@@ -514,6 +514,25 @@ def write_tokenizer_files(dir):
     return dir_
 
 
+def tables_ort_holds(onnx_path, shape) -> list:
+    """The element types of the initializers of `shape` in ONNX Runtime's optimised form of the graph
+    (its constant folding included), e.g. [FLOAT16] for an embedding read in place, [FLOAT16, FLOAT]
+    when a Cast of the whole table was folded into an fp32 copy."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(Path(tmp) / "optimised.onnx")
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimised.bin")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "0")
+        ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        model = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    return [t.data_type for t in model.graph.initializer if tuple(t.dims) == tuple(shape)]
+
+
 def fp32_compute(graphs_dir) -> None:
     """Every MatMulNBits in graphs_dir/*.onnx multiplying in fp32 (accuracy_level 0), weights
     untouched: against float weights dequantised the same way, only summation order differs."""

@@ -469,6 +469,9 @@ def test_quantised_drafter_is_the_float_drafter_on_its_dequantised_weights(tmp_p
     assert manifest["weights"]["quant"] == spec.to_manifest()
     ops = [n.op_type for n in onnx.load(str(tmp_path / "q" / "drafter.onnx"), load_external_data=False).graph.node]
     assert ops.count("MatMulNBits") == 5 and "Gemm" not in ops  # qkv, o, gate|up, down, head
+    # the embedding is read in place, fp16, not folded by ORT into an fp32 copy (a Cast ahead of the Gather)
+    assert fixtures.tables_ort_holds(tmp_path / "q" / "drafter.onnx", w["embed_tokens.weight"].shape) == [
+        onnx.TensorProto.FLOAT16]
     shipped = Eagle3Drafter(tmp_path / "q")
 
     def round_trip(m, b):

@@ -51,8 +51,9 @@ def add_arguments(p) -> None:
                                      "drafter checkpoint directory (official/SpecForge or speculators layout) to "
                                      "export beside the model; speculation is then on by default")
     p.add_argument("--mtp-vocab", type=int, metavar="N",
-                   help="with --drafter mtp: the head drafts only the N most frequent tokens (e.g. 32768 of "
-                        "248,320: a draft step's head product N/V the size; lossless, the target verifies)")
+                   help="with --drafter mtp: the head drafts only the N most frequent tokens (a draft step's "
+                        "head product N/V the size; lossless, the target verifies). Default: 32768 when the "
+                        "vocabulary is larger than 65536 (every released Qwen3.5), else all; 0: all")
     p.add_argument("--mtp-vocab-text", metavar="FILE",
                    help="with --mtp-vocab: count token frequencies over this UTF-8 text (default: the "
                         "tokenizer's merge order)")

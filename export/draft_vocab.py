@@ -23,6 +23,19 @@ import numpy as np
 from hybrid_npu.errors import UserError
 
 MIN_DRAFT_VOCAB = 2
+# With no --mtp-vocab, a head over more than TRIM_ABOVE tokens drafts the DEFAULT_DRAFT_VOCAB most
+# frequent: every released Qwen3.5 (248,320), where the whole head made a 0.8B draft level 0.36-0.41
+# of a decode step (docs/mtp-drafter.md). The embedded model's 4,096 stay whole.
+TRIM_ABOVE = 65536
+DEFAULT_DRAFT_VOCAB = 32768
+
+
+def draft_vocab_size(vocab_size: int, asked: int | None) -> int | None:
+    """How many tokens the MTP head drafts: `asked` (--mtp-vocab; 0: all of them), else the default
+    for this vocabulary; None: all of them (no trim)."""
+    if asked is None:
+        return DEFAULT_DRAFT_VOCAB if vocab_size > TRIM_ABOVE else None
+    return None if asked == 0 else asked
 
 
 def added_token_ids(tokenizer_json: Path) -> set[int]:

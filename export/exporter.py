@@ -27,7 +27,7 @@ from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
-from .draft_vocab import added_token_ids, choose_draft_vocab, token_counts
+from .draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts
 from .mtp_drafter import export_mtp, read_mtp, trim_head
 from hybrid_npu import integrity
 from .manifest import FORMAT, MANIFEST, value_infos
@@ -111,8 +111,9 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
         _check_nbits_widths(ck.config, plan.quant.block_size)
     dck = read_drafter(plan.eagle3, ck.config, lambda: ck.load("embed_tokens.weight")) if plan.eagle3 else None
     mck = read_mtp(ck, plan.mtp) if plan.wants_mtp else None
-    if mck is not None and plan.options.mtp_vocab is not None:
-        mck = trim_head(mck, mtp_draft_ids(ck, plan.options))
+    n_draft = draft_vocab_size(ck.config.vocab_size, plan.options.mtp_vocab) if mck is not None else None
+    if n_draft is not None:
+        mck = trim_head(mck, mtp_draft_ids(ck, plan.options, n_draft))
     check_output(ck.path, out, force)
     capacity, note = npu_capacity(plan.profile, plan.options.max_context, plan.chunk, ck.config)
     if capacity is not None:
@@ -130,7 +131,9 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
         shipped = {}
         if mck is not None:
             say(f"exporting the MTP drafter (mtp.* of {mck.source}, reading the residual after layer "
-                f"{ck.config.num_layers - 1})")
+                f"{ck.config.num_layers - 1}" + ("" if n_draft is None else
+                                                 f"; drafting the {n_draft:,} most frequent tokens, --mtp-vocab 0 "
+                                                 "for all") + ")")
             shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype, plan.quant)}
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
@@ -159,12 +162,12 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     return manifest
 
 
-def mtp_draft_ids(ck, options: ExportOptions):
-    """The target ids a trimmed MTP head drafts (--mtp-vocab N, --mtp-vocab-text FILE)."""
+def mtp_draft_ids(ck, options: ExportOptions, n: int):
+    """The n target ids a trimmed MTP head drafts (--mtp-vocab N, --mtp-vocab-text FILE)."""
     tok = ck.path / "tokenizer.json"
     v = ck.config.vocab_size
     counts = None if options.mtp_vocab_text is None else token_counts(options.mtp_vocab_text, tok, v)
-    return choose_draft_vocab(v, options.mtp_vocab, added_token_ids(tok) | set(ck.config.eos_token_ids), counts)
+    return choose_draft_vocab(v, n, added_token_ids(tok) | set(ck.config.eos_token_ids), counts)
 
 
 def check_tokenizer(src: Path, warn: Callable[[str], None]) -> None:

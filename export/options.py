@@ -29,7 +29,8 @@ class ExportOptions:
     verify: int | None = None              # tree-verify size (None: the profile's, or 32)
     drafter: str | Path | None = None      # "mtp" (the checkpoint's own head) or an EAGLE-3 checkpoint dir
     mtp: str | Path | None = None          # a trained MTP head (mtp.* tensors) to ship beside EAGLE-3
-    mtp_vocab: int | None = None           # the MTP head drafts only this many tokens (export/draft_vocab.py)
+    mtp_vocab: int | None = None           # the MTP head drafts this many tokens (0: all; None: the default,
+    #                                        export/draft_vocab.py)
     mtp_vocab_text: str | Path | None = None  # ... the most frequent in this text (default: merge order)
     weights: str | None = "float"          # float | int8 | int4
     block_size: int | None = None          # with weights: weights per quantisation block
@@ -64,6 +65,12 @@ class ExportOptions:
         if self.mtp_vocab_text is not None and self.mtp_vocab is None:
             raise UserError("--mtp-vocab-text chooses the tokens of a trimmed MTP head: add --mtp-vocab N "
                             "(e.g. 32768)")
+        if self.mtp_vocab is not None and self.mtp_vocab < 0:
+            raise UserError(f"--mtp-vocab {self.mtp_vocab}: give a token count (e.g. 32768), or 0 to draft over "
+                            "the whole vocabulary")
+        if self.mtp_vocab_text is not None and self.mtp_vocab == 0:
+            raise UserError("--mtp-vocab-text chooses the tokens of a trimmed MTP head, and --mtp-vocab 0 keeps "
+                            "them all: drop one of the two")
         if self.mtp_vocab is not None and not (own_mtp or self.mtp is not None):
             raise UserError("--mtp-vocab trims the MTP drafter's vocabulary: add --drafter mtp")
         return ExportPlan(self, prof, chunk, verify, quant, npu_quant_mode(quant, prof, self.npu_quant,

@@ -11,7 +11,7 @@ import fixtures
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.cli import main as export_main
-from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab
+from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.mtp import MtpDrafter
 
@@ -27,6 +27,12 @@ def test_the_chosen_tokens_are_the_added_and_stop_ones_then_the_most_frequent():
     # without counts: merge order, i.e. the lowest ids after the ones always kept
     assert choose_draft_vocab(10, 5, {9, 7}).tolist() == [0, 1, 2, 7, 9]
     assert choose_draft_vocab(10, 3, {12, -1}, counts).tolist() == [2, 3, 6]  # ids outside the vocabulary ignored
+
+
+def test_a_released_vocabulary_is_trimmed_to_32k_by_default_and_a_small_one_is_not():
+    assert draft_vocab_size(248320, None) == 32768
+    assert draft_vocab_size(4096, None) is None and draft_vocab_size(248320, 0) is None  # 0: all of them
+    assert draft_vocab_size(248320, 8192) == draft_vocab_size(4096, 8192) == 8192
 
 
 @pytest.mark.parametrize("n,always,match", [(10, set(), "between 2 and 9"), (1, set(), "between 2 and 9"),
@@ -95,6 +101,8 @@ def test_speculation_with_the_trimmed_head_is_lossless_and_drafts_only_its_token
     (["--drafter", "mtp", "--mtp-vocab-text", "t.txt"], "add --mtp-vocab N"),
     (["--drafter", "mtp", "--mtp-vocab", "100000"], "between 2 and"),
     (["--drafter", "mtp", "--mtp-vocab", "64", "--mtp-vocab-text", "missing.txt"], "no such file"),
+    (["--drafter", "mtp", "--mtp-vocab", "-3"], "or 0 to draft over the whole vocabulary"),
+    (["--drafter", "mtp", "--mtp-vocab", "0", "--mtp-vocab-text", "t.txt"], "drop one of the two"),
 ])
 def test_bad_mtp_vocab_flags_are_one_line(tmp_path, capsys, flags, problem):
     src = tmp_path / "hf"

@@ -49,6 +49,10 @@ def drafts_of(engine, depth: int = 4) -> tuple[list[int], np.ndarray]:
 def test_speculative_chat_turns_are_the_plain_ones_and_the_drafter_keeps_step(release_mtp, shape):
     spec_engine, plain_engine = hybrid_npu.load(release_mtp), hybrid_npu.load(release_mtp)
     assert isinstance(spec_engine.drafter, MtpDrafter)
+    # a released vocabulary: the head drafts its 32,768 most frequent tokens by default, the chat's
+    # added tokens among them (export/draft_vocab.py)
+    kept = set(spec_engine.drafter.draft_to_target.tolist())
+    assert len(kept) == 32768 and {IM_END_ID, ENDOFTEXT_ID} <= kept
     assert spec_engine.tokenizer.token_to_id("<|im_end|>") == IM_END_ID  # the released tokenizer
     spec_engine.adaptive, spec_engine.draft_shape = False, SHAPES[shape]  # every step a round of this shape
     spec, plain = Conversation(spec_engine, enable_thinking=True), Conversation(plain_engine, enable_thinking=True)

@@ -52,8 +52,9 @@ def add_arguments(p) -> None:
                                      "export beside the model; speculation is then on by default")
     p.add_argument("--mtp-vocab", type=int, metavar="N",
                    help="with --drafter mtp: the head drafts only the N most frequent tokens (a draft step's "
-                        "head product N/V the size; lossless, the target verifies). Default: 32768 when the "
-                        "vocabulary is larger than 65536 (every released Qwen3.5), else all; 0: all")
+                        "head product N/V the size; lossless, the target verifies). Default (or 0): all "
+                        "of them. Give --mtp-vocab-text too: without it the lowest ids are kept, which "
+                        "favour English and code")
     p.add_argument("--mtp-vocab-text", metavar="FILE",
                    help="with --mtp-vocab: count token frequencies over this UTF-8 text (default: the "
                         "tokenizer's merge order)")

@@ -23,19 +23,25 @@ import numpy as np
 from hybrid_npu.errors import UserError
 
 MIN_DRAFT_VOCAB = 2
-# With no --mtp-vocab, a head over more than TRIM_ABOVE tokens drafts the DEFAULT_DRAFT_VOCAB most
-# frequent: every released Qwen3.5 (248,320), where the whole head made a 0.8B draft level 0.36-0.41
-# of a decode step (docs/mtp-drafter.md). The embedded model's 4,096 stay whole.
-TRIM_ABOVE = 65536
-DEFAULT_DRAFT_VOCAB = 32768
+HINT_ABOVE = 65536  # a head over more tokens than this drafts slowly at real size: the export says so
 
 
 def draft_vocab_size(vocab_size: int, asked: int | None) -> int | None:
-    """How many tokens the MTP head drafts: `asked` (--mtp-vocab; 0: all of them), else the default
-    for this vocabulary; None: all of them (no trim)."""
-    if asked is None:
-        return DEFAULT_DRAFT_VOCAB if vocab_size > TRIM_ABOVE else None
-    return None if asked == 0 else asked
+    """How many tokens the MTP head drafts: `asked` (--mtp-vocab), None or 0: all of them (no trim).
+    Not trimmed by default: which tokens are frequent depends on the user's language, and no order
+    of the ids says it (Qwen3.5's Chinese tokens all lie above id 95,000, docs/mtp-drafter.md)."""
+    return None if not asked else asked
+
+
+def trim_hints(vocab_size: int, asked: int | None, text) -> str | None:
+    """What the export should tell the user about the MTP head's vocabulary, if anything."""
+    if not asked and vocab_size > HINT_ABOVE:
+        return (f"the MTP head drafts over all {vocab_size:,} tokens, ~0.4 of a decode step a draft at 0.8B; "
+                "--mtp-vocab 32768 --mtp-vocab-text SAMPLE.txt (text like yours) makes a draft ~4x cheaper")
+    if asked and text is None and vocab_size > HINT_ABOVE:
+        return (f"--mtp-vocab {asked} without --mtp-vocab-text keeps the lowest ids, which favour English and "
+                "code (Qwen3.5's Chinese tokens lie above id 95,000); give a sample of your text to count them")
+    return None
 
 
 def added_token_ids(tokenizer_json: Path) -> set[int]:

@@ -27,7 +27,7 @@ from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
 from .drafter import export_drafter, read_drafter
-from .draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts
+from .draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts, trim_hints
 from .mtp_drafter import export_mtp, read_mtp, trim_head
 from hybrid_npu import integrity
 from .manifest import FORMAT, MANIFEST, value_infos
@@ -114,6 +114,9 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     n_draft = draft_vocab_size(ck.config.vocab_size, plan.options.mtp_vocab) if mck is not None else None
     if n_draft is not None:
         mck = trim_head(mck, mtp_draft_ids(ck, plan.options, n_draft))
+    hint = trim_hints(ck.config.vocab_size, plan.options.mtp_vocab, plan.options.mtp_vocab_text) if mck else None
+    if hint:
+        warn(hint)
     check_output(ck.path, out, force)
     capacity, note = npu_capacity(plan.profile, plan.options.max_context, plan.chunk, ck.config)
     if capacity is not None:
@@ -132,8 +135,8 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
         if mck is not None:
             say(f"exporting the MTP drafter (mtp.* of {mck.source}, reading the residual after layer "
                 f"{ck.config.num_layers - 1}" + ("" if n_draft is None else
-                                                 f"; drafting the {n_draft:,} most frequent tokens, --mtp-vocab 0 "
-                                                 "for all") + ")")
+                                                 f"; drafting {n_draft:,} of its {ck.config.vocab_size:,} tokens")
+                + ")")
             shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype, plan.quant)}
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "

@@ -11,7 +11,7 @@ import fixtures
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.cli import main as export_main
-from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size
+from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, trim_hints
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.mtp import MtpDrafter
 
@@ -29,10 +29,12 @@ def test_the_chosen_tokens_are_the_added_and_stop_ones_then_the_most_frequent():
     assert choose_draft_vocab(10, 3, {12, -1}, counts).tolist() == [2, 3, 6]  # ids outside the vocabulary ignored
 
 
-def test_a_released_vocabulary_is_trimmed_to_32k_by_default_and_a_small_one_is_not():
-    assert draft_vocab_size(248320, None) == 32768
-    assert draft_vocab_size(4096, None) is None and draft_vocab_size(248320, 0) is None  # 0: all of them
-    assert draft_vocab_size(248320, 8192) == draft_vocab_size(4096, 8192) == 8192
+def test_the_head_is_trimmed_only_when_asked_and_the_export_says_why_to_ask():
+    assert draft_vocab_size(248320, None) is None and draft_vocab_size(248320, 0) is None  # all of them
+    assert draft_vocab_size(248320, 8192) == 8192
+    assert "--mtp-vocab-text" in trim_hints(248320, None, None)  # a released vocabulary, untrimmed
+    assert "Chinese" in trim_hints(248320, 32768, None)  # trimmed by id order: English and code
+    assert trim_hints(248320, 32768, "mine.txt") is None and trim_hints(4096, None, None) is None
 
 
 @pytest.mark.parametrize("n,always,match", [(10, set(), "between 2 and 9"), (1, set(), "between 2 and 9"),

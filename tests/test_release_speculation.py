@@ -1,5 +1,6 @@
 """Speculation in a real chat: the released vocabulary (248,320 tokens) and chat template, and the
-checkpoint's own MTP head as the drafter, as a user of a released Qwen3.5 runs it.
+checkpoint's own MTP head as the drafter, trimmed to 32k tokens counted over a sample text (the
+recommended export at real size), as a user of a released Qwen3.5 runs it.
 
 The release template drops earlier replies' <think> blocks, so from the second turn on the context
 is cut back to a turn checkpoint and the drafter is rewound with it. Each speculative reply must
@@ -33,7 +34,10 @@ def release_mtp(release, tmp_path_factory):
                                       bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID,
                                       pad_token_id=ENDOFTEXT_ID)
     write_release_tokenizer(root / "hf", release.cache)
-    export(root / "hf", root / "out", chunk=CHUNK, drafter="mtp")
+    sample = root / "sample.txt"  # the recommended trim: 32k tokens counted over text like the user's
+    sample.write_text("Hello! I am a helpful assistant. Tell me more about that, and then? Thanks. " * 50 +
+                      "你好，我是一个有用的助手。生活的真谛是什么？", encoding="utf-8")
+    export(root / "hf", root / "out", chunk=CHUNK, drafter="mtp", mtp_vocab=32768, mtp_vocab_text=sample)
     return root / "out"
 
 
@@ -49,10 +53,12 @@ def drafts_of(engine, depth: int = 4) -> tuple[list[int], np.ndarray]:
 def test_speculative_chat_turns_are_the_plain_ones_and_the_drafter_keeps_step(release_mtp, shape):
     spec_engine, plain_engine = hybrid_npu.load(release_mtp), hybrid_npu.load(release_mtp)
     assert isinstance(spec_engine.drafter, MtpDrafter)
-    # a released vocabulary: the head drafts its 32,768 most frequent tokens by default, the chat's
-    # added tokens among them (export/draft_vocab.py)
+    # the head drafts 32,768 tokens: the chat's added ones, the sample's (Chinese ones included, which
+    # id order would have cut: they lie above 95,000), then the lowest ids
     kept = set(spec_engine.drafter.draft_to_target.tolist())
-    assert len(kept) == 32768 and {IM_END_ID, ENDOFTEXT_ID} <= kept
+    chinese = spec_engine.tokenizer.encode("你好", add_special_tokens=False).ids
+    assert len(kept) == 32768 and {IM_END_ID, ENDOFTEXT_ID} <= kept and min(chinese) > 95000
+    assert set(chinese) <= kept
     assert spec_engine.tokenizer.token_to_id("<|im_end|>") == IM_END_ID  # the released tokenizer
     spec_engine.adaptive, spec_engine.draft_shape = False, SHAPES[shape]  # every step a round of this shape
     spec, plain = Conversation(spec_engine, enable_thinking=True), Conversation(plain_engine, enable_thinking=True)

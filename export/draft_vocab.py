@@ -10,8 +10,11 @@ heads trim Qwen3.5's 248k to 32k the same way).
 Frequent by what: by counts over a text the user gives (`--mtp-vocab-text`: their own kind of
 text), else by the tokenizer's own order. A byte-level BPE numbers its tokens in merge order, and
 a merge is learned when its pair is the most frequent one left in the tokenizer's training text,
-so low ids are the common ones. The tokenizer's added tokens (<|im_end|>, <think>, the tool-call
-markers: what a chat reply is made of) and the model's stop tokens are always kept.
+so low ids are common ones, but only within one training run: Qwen3.5's vocabulary puts its
+Chinese tokens after the base vocabulary (all above id 95,000), so id order never keeps them.
+Hence no trim by default, and a warning when one comes without a text (trim_hints). The
+tokenizer's added tokens (<|im_end|>, <think>, the tool-call markers: what a chat reply is made
+of) and the model's stop tokens are always kept.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ def token_counts(text_file: Path, tokenizer_json: Path, vocab_size: int) -> np.n
         text = text_file.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"--mtp-vocab-text {text_file}: no such file; give a UTF-8 text of the kind you will "
-                        "chat about, or leave it out (the tokenizer's own order is used)") from None
+                        "chat about, in its languages") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--mtp-vocab-text {text_file}: cannot read it as UTF-8 text ({e}); give a UTF-8 text "
                         "file") from None

@@ -31,6 +31,7 @@ from .qnn import NpuUnavailable
 from .generation import CPU_DEVICE, catch_up_drafter, stream
 from .sampling import Sampler, check_sampling, model_defaults
 from .spec_policy import SpecPolicy
+from .speculative import default_draft_shape
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
@@ -134,9 +135,10 @@ class Engine:
         self.checkpoints = Checkpoints(checkpoints)
         self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
                                   self.chunk, memory or self.profile.memory_budget_bytes or None, checkpoints)
-        # EAGLE-2 tree shape (docs/eagle3-drafter.md), unless the export records the shape measured
-        # best for its drafter (scripts/build_embedded_model.py does)
-        shape = self.manifest.get("drafter", {}).get("draft_shape", {"top_k": 4, "depth": 6, "total_tokens": 1 << 30})
+        # the shape the export records as measured best for its drafter, else a tree where rounds
+        # verify on the NPU and a chain where the CPU does (runtime/speculative.py, why)
+        verifies_on = "npu" if "npu_verify" in self.pipelines else "cpu"
+        shape = self.manifest.get("drafter", {}).get("draft_shape") or default_draft_shape(verifies_on)
         self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify["n"] - 1)) if verify else None
         self.reset()
         self.last_stats: dict = {}

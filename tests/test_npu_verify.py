@@ -64,6 +64,7 @@ def test_a_context_beyond_the_npu_capacity_verifies_on_the_cpu(text_tied, htp_pr
     engine.adaptive = False  # a round every step: where rounds run is the question, not whether they pay
     static = engine.manifest["graphs"]["verify"]["n"]
     assert engine.verify_graph(1) == ("QNN/HTP", static)  # an empty context fits the NPU's T_max
+    assert engine.draft_shape["top_k"] == 4  # the NPU's static N: a tree's extra nodes cost nothing there
     out = engine.generate(PROMPT, 100, stop_at_eos=False)  # 19 + 100 tokens > T_max 96
     assert out == cpu_plain
     assert engine.last_stats["verify_device"] == "CPU"

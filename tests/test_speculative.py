@@ -12,6 +12,7 @@ import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.generation import speculative_round, stream
 from hybrid_npu.runtime.sampling import Sampler
+from hybrid_npu.runtime.speculative import CHAIN_SHAPE, TREE_SHAPE
 
 
 class RandomDrafter:
@@ -69,6 +70,13 @@ class OracleDrafter(RandomDrafter):
 PROMPT = [int(t) for t in np.random.default_rng(42).integers(0, 300, CHUNK + 5)]
 
 
+def drafting_trees(engine):
+    """The engine drafting top-4 trees, as where it verifies on the NPU (on the CPU its default is a
+    chain, runtime/speculative.py): an accepted path then skips siblings."""
+    engine.draft_shape = dict(TREE_SHAPE, total_tokens=engine.manifest["graphs"]["verify"]["n"] - 1)
+    return engine
+
+
 @pytest.fixture(scope="module")
 def plain_greedy(text_tied):
     return hybrid_npu.load(text_tied.out).generate(PROMPT, 256, stop_at_eos=False)
@@ -83,6 +91,9 @@ def test_greedy_speculative_output_is_the_plain_output(text_tied, plain_greedy, 
                       "oracle": OracleDrafter(320, engine, sequence, chain=chain),
                       "partial": OracleDrafter(320, engine, sequence, wrong_rate=0.3, chain=chain)}[kind]
     engine.adaptive = False  # a round every step: the acceptance bound must not hang on the policy's timings
+    if not chain:
+        drafting_trees(engine)
+    assert (engine.draft_shape["top_k"] == 1) == chain
     out = engine.generate(PROMPT, 256, stop_at_eos=False)
     assert out == plain_greedy
     stats = engine.last_stats
@@ -115,7 +126,7 @@ def test_a_chain_between_two_core_sizes_speculates_to_the_plain_output(text_tied
 def test_stream_yields_the_plain_tokens_and_a_closed_stream_keeps_its_context(text_tied, plain_greedy):
     """stream() is generate() token by token; closed inside a round, the round's tokens stay in the
     context and the next generation continues exactly where plain decoding would."""
-    engine = hybrid_npu.load(text_tied.out)
+    engine = drafting_trees(hybrid_npu.load(text_tied.out))
     engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, wrong_rate=0.3, seed=5)
     engine.adaptive = False  # every step a round
     assert list(stream(engine, PROMPT, Sampler(), 64, stop_at_eos=False)) == plain_greedy[:64]
@@ -131,7 +142,7 @@ def test_stream_yields_the_plain_tokens_and_a_closed_stream_keeps_its_context(te
 
 
 def test_committed_state_equals_plain_decoding_of_the_accepted_tokens(text_tied, plain_greedy):
-    spec = hybrid_npu.load(text_tied.out)
+    spec = drafting_trees(hybrid_npu.load(text_tied.out))
     spec.drafter = OracleDrafter(320, spec, PROMPT + plain_greedy, wrong_rate=0.3, seed=3)
     plain = hybrid_npu.load(text_tied.out)
     spec.prefill_logits(PROMPT)
@@ -198,6 +209,28 @@ def test_an_export_without_a_verify_graph_still_loads_and_says_how_to_speculate(
     assert engine.drafter is None and engine.generate(PROMPT, 4)
     with pytest.raises(hybrid_npu.errors.UserError, match="no tree-verify graph.*--drafter"):
         hybrid_npu.load(old, drafter=RandomDrafter(320))
+
+
+def test_an_export_without_a_recorded_shape_drafts_chains_where_the_cpu_verifies(text_tied, plain_greedy, tmp_path):
+    """Each CPU verify node costs a row of every weight matmul, so the default there is a chain (a
+    tree where the NPU verifies: tests/test_npu_verify.py); a shape the export records wins."""
+    import json
+    import shutil
+
+    engine = hybrid_npu.load(text_tied.out)
+    assert "draft_shape" not in engine.manifest.get("drafter", {}) and "npu_verify" not in engine.pipelines
+    assert engine.draft_shape == CHAIN_SHAPE
+    engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, seed=4)
+    engine.adaptive = False
+    assert engine.generate(PROMPT, 32, stop_at_eos=False) == plain_greedy[:32]
+    assert engine.verify_graph(6) == ("CPU", 7)  # the root and one node a level
+    assert engine.last_stats["acceptance_length"] > 5  # whole chains (the last round cut by the 32 tokens)
+    recorded = tmp_path / "recorded"
+    shutil.copytree(text_tied.out, recorded)
+    m = json.loads((recorded / "model.json").read_text())
+    m.setdefault("drafter", {})["draft_shape"] = {"top_k": 2, "depth": 3, "total_tokens": 6}
+    (recorded / "model.json").write_text(json.dumps(m))
+    assert hybrid_npu.load(recorded).draft_shape == {"top_k": 2, "depth": 3, "total_tokens": 6}
 
 
 def test_the_verify_session_opens_only_when_speculating(text_tied):

@@ -25,6 +25,8 @@ import numpy as np
 
 from hybrid_npu.errors import UserError
 
+from .text_input import read_text_input, text_tokenizer
+
 MIN_DRAFT_VOCAB = 2
 HINT_ABOVE = 65536  # a head over more tokens than this drafts slowly at real size: the export says so
 
@@ -58,23 +60,10 @@ def added_token_ids(tokenizer_json: Path) -> set[int]:
 
 def token_counts(text_file: Path, tokenizer_json: Path, vocab_size: int) -> np.ndarray:
     """How often each id occurs in the UTF-8 text file, tokenized by the export's tokenizer."""
-    from tokenizers import Tokenizer
-
-    text_file = Path(text_file)
-    try:
-        text = text_file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"--mtp-vocab-text {text_file}: no such file; give a UTF-8 text of the kind you will "
-                        "chat about, in its languages") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--mtp-vocab-text {text_file}: cannot read it as UTF-8 text ({e}); give a UTF-8 text "
-                        "file") from None
-    if not Path(tokenizer_json).is_file():
-        raise UserError(f"--mtp-vocab-text needs the checkpoint's tokenizer.json to count tokens, and "
-                        f"{Path(tokenizer_json).parent} has none")
-    ids = np.asarray(Tokenizer.from_file(str(tokenizer_json)).encode(text, add_special_tokens=False).ids, np.int64)
-    if not len(ids):
-        raise UserError(f"--mtp-vocab-text {text_file} is empty; give a text to count tokens over")
+    text = read_text_input("--mtp-vocab-text", text_file, "a UTF-8 text of the kind you will chat about, in its "
+                           "languages")
+    tokenizer = text_tokenizer("--mtp-vocab-text", tokenizer_json)
+    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
     return np.bincount(ids[ids < vocab_size], minlength=vocab_size)
 
 

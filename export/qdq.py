@@ -25,7 +25,8 @@ import numpy as np
 import onnx
 
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.errors import UserError
+
+from .text_input import read_text_input, text_tokenizer
 
 NPU_QUANT_MODES = ("qdq", "nbits")
 # Enough text for stable activation ranges (MinMax over every position), bounded so calibration
@@ -37,20 +38,9 @@ ACTIVATIONS = "uint16"
 def read_calibration(path, tokenizer_file: Path) -> tuple[list[int], dict]:
     """The calibration text as token ids (at most MAX_CALIBRATION_TOKENS) and what to record of it."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--calibration {path}: no such file; give a UTF-8 text file of the kind of text "
-                        "the model will read (a few thousand tokens is enough)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"--calibration {path} is not UTF-8 text; convert it (e.g. a .txt or .md file)") from None
-    if not text.strip():
-        raise UserError(f"--calibration {path} is empty; give a file with text in it")
-    if not tokenizer_file.exists():
-        raise UserError(f"--calibration needs the checkpoint's tokenizer.json, which {tokenizer_file.parent} lacks")
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_file(str(tokenizer_file)).encode(text).ids[:MAX_CALIBRATION_TOKENS]
+    text = read_text_input("--calibration", path, "a UTF-8 text file of the kind of text the model will read "
+                           "(a few thousand tokens is enough)")
+    ids = text_tokenizer("--calibration", tokenizer_file).encode(text).ids[:MAX_CALIBRATION_TOKENS]
     return ids, {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "tokens": len(ids)}
 
 

@@ -13,6 +13,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.export.cli import main as export_main
 from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, trim_hints
 from hybrid_npu.export.exporter import export
+from hybrid_npu.export.text_input import read_text_input
 from hybrid_npu.runtime.mtp import MtpDrafter
 
 from test_mtp_drafter import _close, _ref_sequence, _weights
@@ -127,3 +128,18 @@ def test_a_quantised_export_trims_its_quantised_head_too(trimmed, tmp_path):
     engine.adaptive, engine.draft_shape = False, {"top_k": 1, "depth": 3, "total_tokens": 3}
     assert engine.generate(prompt, 32, stop_at_eos=False) == plain
     assert engine.last_stats["rounds"] >= 6
+
+
+def test_the_text_flags_read_their_file_or_say_in_one_line_what_is_wrong(tmp_path):
+    """--mtp-vocab-text and --calibration share one reader (export/text_input.py)."""
+    (tmp_path / "ok.txt").write_text("你好 hello\n", encoding="utf-8")
+    assert read_text_input("--mtp-vocab-text", tmp_path / "ok.txt", "a text") == "你好 hello\n"
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "blank.txt").write_text(" \n\t")
+    (tmp_path / "a_dir").mkdir()
+    for name, says in [("missing.txt", "no such file"), ("a_dir", "is not a file"), ("latin1.txt", "is not UTF-8"),
+                       ("blank.txt", "is empty")]:
+        with pytest.raises(UserError) as e:
+            read_text_input("--mtp-vocab-text", tmp_path / name, "a text")
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and msg.startswith("--mtp-vocab-text") and says in msg, msg

@@ -451,24 +451,30 @@ def build_drafter_graphs(ck: DrafterCheckpoint, plan: WeightPlan) -> dict[str, G
     return {"drafter_fc": b.fc(), "drafter": b.step()}
 
 
+def write_draft_vocab(out: Path, draft_to_target) -> dict:
+    """VOCAB_FILE in `out`: the target id of each draft id; returns the manifest's "vocab" record
+    (runtime/eagle3.py read_draft_vocab). EAGLE-3's own vocabulary and a trimmed MTP head's."""
+    from safetensors.numpy import save_file
+
+    ids = np.ascontiguousarray(draft_to_target, dtype=np.int64)
+    save_file({"draft_to_target": ids}, str(out / VOCAB_FILE))
+    return {"file": VOCAB_FILE, "tensor": "draft_to_target", "draft_vocab_size": len(ids)}
+
+
 def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32", quant: QuantSpec | None = None) -> dict:
     """Write drafter_fc.onnx, drafter.onnx, drafter_weights.bin, vocab.safetensors and drafter.json
     into out_dir; returns the manifest (also written as drafter.json). quant: drafter_weight_plan."""
-    from safetensors.numpy import save_file
-
     plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     graphs = write_drafter_files(out, plan, build_drafter_graphs(ck, plan), WEIGHTS_FILE)
-    save_file({"draft_to_target": np.ascontiguousarray(ck.draft_to_target, dtype=np.int64)}, str(out / VOCAB_FILE))
     c = ck.config
     manifest = {
         "format": FORMAT, "source": str(ck.path), "config": {**asdict(c), "tap_layers": list(c.tap_layers)},
         "taps": {"convention": "residual stream entering target layers", "layers": list(c.tap_layers),
                  "source": c.tap_source, "input_order": list(ck.target_tap_layers)},
         "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
-        "vocab": {"file": VOCAB_FILE, "tensor": "draft_to_target", "draft_vocab_size": c.draft_vocab_size,
-                  "target_vocab_size": c.vocab_size},
+        "vocab": {**write_draft_vocab(out, ck.draft_to_target), "target_vocab_size": c.vocab_size},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest

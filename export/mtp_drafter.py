@@ -37,8 +37,8 @@ from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
 
-from .drafter import (VOCAB_FILE, drafter_linear, drafter_step_inputs, drafter_weight_plan, gathered_rows,
-                      weight_input, weights_entry, write_drafter_files)
+from .drafter import (drafter_linear, drafter_step_inputs, drafter_weight_plan, gathered_rows, weight_input,
+                      weights_entry, write_draft_vocab, write_drafter_files)
 from .safetensors_io import SafetensorsFile
 from .weights import WeightPlan
 
@@ -222,8 +222,6 @@ def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> d
     """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir, and
     for a trimmed head (trim_head) vocab.safetensors, its draft-to-target ids; returns the manifest.
     quant: the target's QuantSpec (export/drafter.py drafter_weight_plan)."""
-    from safetensors.numpy import save_file
-
     plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,9 +234,7 @@ def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> d
                  "layers": [c.num_layers], "input_order": [c.num_layers]},
         "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
     }
-    ids = ck.draft_ids
-    if ids is not None:  # the same record as an EAGLE-3 drafter's own vocabulary (runtime/eagle3.py reads it)
-        save_file({"draft_to_target": np.ascontiguousarray(ids, dtype=np.int64)}, str(out / VOCAB_FILE))
-        manifest["vocab"] = {"file": VOCAB_FILE, "tensor": "draft_to_target", "draft_vocab_size": len(ids)}
+    if ck.draft_ids is not None:  # the same record as an EAGLE-3 drafter's own vocabulary
+        manifest["vocab"] = write_draft_vocab(out, ck.draft_ids)
     (out / DRAFTER_MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest

@@ -58,6 +58,14 @@ def top_k_stable(scores: np.ndarray, k: int) -> np.ndarray:
     return out.reshape(scores.shape[:-1] + (k,))
 
 
+def read_draft_vocab(drafter_dir: Path, record: dict) -> np.ndarray:
+    """The target id of each draft id, from a drafter manifest's "vocab" record (EAGLE-3's own
+    vocabulary, a trimmed MTP head's; export/drafter.py write_draft_vocab)."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(Path(drafter_dir) / record["file"]))[record["tensor"]]
+
+
 class Eagle3Drafter:
     def __init__(self, drafter_dir, threads: int | None = None, window: int | None = DRAFT_WINDOW):
         self.path = Path(drafter_dir)
@@ -73,8 +81,7 @@ class Eagle3Drafter:
         self.rotary_dim, self.rope_theta = c["rotary_dim"], c["rope_theta"]
         self.input_order = tuple(self.manifest["taps"]["input_order"])  # target tap layers, concat order
         self.tap_width = len(self.input_order) * c["target_hidden_size"]
-        from safetensors.numpy import load_file
-        self.draft_to_target = load_file(str(self.path / self.manifest["vocab"]["file"]))["draft_to_target"]
+        self.draft_to_target = read_draft_vocab(self.path, self.manifest["vocab"])
         # A small drafter's calls are too short to split: on 2 cores, the embedded 6.6 MB drafter
         # proposed a depth-6 chain in 7.7 ms on one thread against ~20 ms on two (thread hand-offs).
         weights = sum(f.stat().st_size for f in self.path.glob("*.bin"))

@@ -18,7 +18,7 @@ import numpy as np
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MTP_KIND as KIND
 
-from .eagle3 import DRAFT_WINDOW, SINGLE_THREAD_BELOW_BYTES, Eagle3Drafter
+from .eagle3 import DRAFT_WINDOW, SINGLE_THREAD_BELOW_BYTES, Eagle3Drafter, read_draft_vocab
 from .session_options import cpu_inference_session, session_options
 
 
@@ -45,8 +45,7 @@ class MtpDrafter(Eagle3Drafter):
         if vocab is None:
             self.draft_to_target = np.arange(c["vocab_size"], dtype=np.int64)  # the target's own vocabulary
         else:
-            from safetensors.numpy import load_file
-            self.draft_to_target = load_file(str(self.path / vocab["file"]))[vocab["tensor"]]
+            self.draft_to_target = read_draft_vocab(self.path, vocab)
         graphs = self.manifest["graphs"]
         weights = (self.path / self.manifest["weights"]["file"]).stat().st_size
         opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)  # as eagle3.py

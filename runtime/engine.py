@@ -137,8 +137,8 @@ class Engine:
                                   self.chunk, memory or self.profile.memory_budget_bytes or None, checkpoints)
         # the shape the export records as measured best for its drafter, else a tree where rounds
         # verify on the NPU and a chain where the CPU does (runtime/speculative.py, why)
-        verifies_on = "npu" if "npu_verify" in self.pipelines else "cpu"
-        shape = self.manifest.get("drafter", {}).get("draft_shape") or default_draft_shape(verifies_on)
+        shape = (self.manifest.get("drafter", {}).get("draft_shape")
+                 or default_draft_shape(npu_verifies="npu_verify" in self.pipelines))
         self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify["n"] - 1)) if verify else None
         self.reset()
         self.last_stats: dict = {}

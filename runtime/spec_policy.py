@@ -124,7 +124,9 @@ class SpecPolicy:
 
     # ------------------------------------------------------------ estimates
     def _add(self, seen: deque, seconds: float) -> None:
-        if seen is not self._decode:  # (a plain step moves the costs only when it moves decode_s: record_plain)
+        # (a plain step moves the costs only when it moves decode_s: record_plain; a guess call's cost
+        # moves no decision but when guesses are next due)
+        if seen is not self._decode and seen is not self._guess_cost:
             self._version += 1
         seen.append(seconds)
         while len(seen) > self.window:
@@ -471,10 +473,7 @@ class SpecPolicy:
 
     def record_guess_cost(self, seconds: float) -> None:
         """What a guess call (the drafter's catch-up that scores its guesses) took."""
-        self._guess_cost.append(seconds)
-        while len(self._guess_cost) > self.window:
-            self._guess_cost.popleft()
-        self._medians.pop(id(self._guess_cost), None)
+        self._add(self._guess_cost, seconds)
 
     def record_guesses(self, hits) -> None:
         """The drafter's first guesses before tokens the target decoded plainly, each a hit or not:

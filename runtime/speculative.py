@@ -26,20 +26,21 @@ from .step_inputs import context_feed
 # Draft shapes (runtime/eagle3.py propose): EAGLE-2 beam trees; a chain is the tree of width 1.
 # The default where an export records none (scripts/build_embedded_model.py records the one it
 # measured best) follows where rounds verify: on the CPU each verify node costs one more row of every
-# weight matmul (0.8B int4: a 4-node verify 1.6 decode steps, 8 nodes 3), so a chain, which puts
-# every node on the path most likely accepted; on the NPU the verify graph's N is static and its
-# extra nodes cost nothing, so a top-4 tree. Measured on the embedded pair, CPU verify, 8 chat
-# prompts, a round every step (docs/speculation.md, fourteenth pass): chain 1.54-1.74x plain, the
-# top-4 tree 0.51-0.74x (acceptance 5.6 vs 3.6 a round: at a sized verify's budget the tree cuts
-# the chain's deep tail for breadth).
+# weight matmul (0.8B int4: a 4-node verify 1.55-1.64 decode steps, 8 nodes 2.3, 16 nodes 3.9-4.4),
+# so a chain, which puts every node on the path most likely accepted; on the NPU the verify graph's
+# N is static and its extra nodes cost nothing, so a top-4 tree. Measured on the embedded pair, CPU
+# verify, 8 chat prompts, a round every step (docs/speculation.md, fourteenth pass): chain
+# 1.54-1.76x plain, the top-4 tree 0.52-0.84x (acceptance 5.6-5.9 vs 3.6 a round: at a sized
+# verify's budget the tree cuts the chain's deep tail for breadth).
 CHAIN_SHAPE = {"top_k": 1, "depth": 6, "total_tokens": 6}
 TREE_SHAPE = {"top_k": 4, "depth": 6, "total_tokens": 1 << 30}
 
 
-def default_draft_shape(verifies_on: str) -> dict:
-    """The draft shape for an export that records none, by the device rounds verify on ("npu" or
-    "cpu"; past the NPU's T_max they verify on the CPU, still with the tree)."""
-    return dict(TREE_SHAPE if verifies_on == "npu" else CHAIN_SHAPE)
+def default_draft_shape(npu_verifies: bool) -> dict:
+    """The draft shape for an export that records none, by whether rounds verify on the NPU (past
+    the NPU's T_max they verify on the CPU, still with the tree)."""
+    return dict(TREE_SHAPE if npu_verifies else CHAIN_SHAPE)
+
 
 @dataclass
 class Tree:

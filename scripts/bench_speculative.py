@@ -17,7 +17,7 @@ of the same prompt: a mismatch is reported in the JSON (it would be a bug: specu
 
     python scripts/bench_speculative.py [--model EXPORT] [--prompts 16] [--new 128] [--threads 2]
         [--contexts 24,500,1500,6000,12000] [--context-new 96] [--repeats 2] [--drafter eagle3,mtp]
-        [--modes adaptive,always]
+        [--modes adaptive,always] [--chain-depths 6,14]
 
 --drafter: the drafter kinds the export ships to compare side by side (one engine each, the same
 target graphs; runs interleaved with plain ones); rows are then named KIND_SHAPE_MODE. Without it,
@@ -38,9 +38,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
-# EAGLE-2 tree shapes (docs/eagle3-drafter.md); a chain is the tree of width 1
+# EAGLE-2 tree shapes (docs/eagle3-drafter.md); a chain is the tree of width 1. The chat rows' chain
+# is the export's recorded one where it records a chain for that drafter (the embedded pair: depth 14)
 SHAPES = {"tree": {"top_k": 4, "depth": 6, "total_tokens": 31},
           "chain": {"top_k": 1, "depth": 6, "total_tokens": 6}}
+
+
+def chat_shapes(manifest: dict, kind: str | None, chain_depths: list[int] | None) -> dict:
+    """The chat rows' shapes for one drafter kind: the tree, and the chain the export records for it
+    (else SHAPES["chain"]), or with --chain-depths one chain per depth ("chain6", "chain14", ...)."""
+    recorded = manifest.get("drafter", {})
+    shape = recorded.get("draft_shape") if kind in (None, recorded.get("kind", "eagle3")) else None
+    if chain_depths:
+        chains = {f"chain{d}": {"top_k": 1, "depth": d, "total_tokens": d} for d in chain_depths}
+    else:
+        chains = {"chain": shape if shape and shape["top_k"] == 1 else SHAPES["chain"]}
+    return {"tree": SHAPES["tree"], **chains}
 
 
 def held_out_messages(n: int) -> list[str]:
@@ -138,6 +151,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--drafter", type=lambda v: v.split(","), help="drafter kinds to compare, e.g. eagle3,mtp")
+    ap.add_argument("--chain-depths", type=lambda v: [int(x) for x in v.split(",")],
+                    help="chat rows: one chain per depth (e.g. 6,14) instead of the export's recorded chain")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=["adaptive", "always"],
                     help="speculative modes beside plain (default: adaptive,always)")
     args = ap.parse_args()
@@ -162,16 +177,17 @@ def main() -> int:
     result = {"machine": machine(), "load_average_at_start": os.getloadavg(), "threads": args.threads,
               "note": "machine shared with other jobs; modes interleaved per repeat, best repeat kept",
               "repeats": args.repeats, "greedy": True, "chat": {}, "context": []}
+    chat_shape_sets = {kind: chat_shapes(engine.manifest, kind, args.chain_depths) for kind in engines}
     chat_modes = [("plain", None, engine), ("plain_again", None, engine)] + [
-        (f"{prefix[kind]}{shape}_{mode}", (shape, mode), e)
-        for kind, e in engines.items() for shape in SHAPES for mode in args.modes]
+        (f"{prefix[kind]}{name}_{mode}", (shape, mode), e)
+        for kind, e in engines.items() for name, shape in chat_shape_sets[kind].items() for mode in args.modes]
     best: dict = {}
     per_repeat: dict = {}
     reference = None
     for r in range(args.repeats):
         for name, spec, e in rotated(chat_modes, r):
             if spec:
-                set_mode(e, spec[1], SHAPES[spec[0]])
+                set_mode(e, spec[1], spec[0])
             row, outputs = run(e, prompts, args.new, "plain" if spec is None else spec[1])
             if name == "plain":
                 reference = outputs

@@ -41,6 +41,22 @@ def test_speculation_on_the_embedded_pair_is_lossless_and_accepts_drafts():
     assert stats["acceptance_length"] > 1.3, stats
 
 
+def test_full_depth_rounds_on_the_embedded_pair_verify_the_whole_chain_and_stay_lossless():
+    """The shipped draft shape is a deep chain because this pair's drafts are accepted far down
+    (docs/speculation.md, fifteenth pass): rounds at the recorded depth verify all its nodes on the
+    CPU, emit what plain decoding does, and accept past the depth-6 chain's ceiling of 7 a round."""
+    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
+    engine.pipelines["verify"]  # opened now, not still opening while the first steps decode plainly
+    depth = engine.draft_shape["depth"]
+    assert engine.draft_shape["top_k"] == 1 and engine.verify_graph(depth) == ("CPU", depth + 1)
+    engine.adaptive = False  # every step a round of the recorded depth
+    ids = rendered(engine, PROMPT)
+    fast = engine.generate(ids, 64, speculative=True, stop_at_eos=False)
+    stats = engine.last_stats
+    assert fast == engine.generate(ids, 64, speculative=False, stop_at_eos=False)
+    assert stats["plain_steps"] == 0 and stats["acceptance_length"] > 7, stats
+
+
 def test_npu_chat_one_shot_json_uses_the_embedded_model_by_default():
     r = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", "--prompt", PROMPT,
                         "--max-new-tokens", "24", "--json", "--threads", "1"],

@@ -3,6 +3,7 @@
     export-hybrid SRC OUT [--profile P] [--chunk C] [--dtype fp32|fp16] [--force]
                           [--weights int8|int4 [--block-size 32] [--asymmetric] [--head-bits 8|4]]
                           [--calibration TEXT_FILE | --npu-quant nbits]   (quantised + NPU profile)
+                          [--drafter mtp|DIR [--drafter-weights float|int8|int4]]
     export-hybrid --check-npu OUT --profile P      (prove every NPU graph places on the HTP)
 
 Progress goes to stderr (--quiet: none); stdout gets the closing table and, last, the parity line
@@ -50,6 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", help="mtp: the checkpoint's own MTP head (mtp.* tensors) drafts; or an EAGLE-3 "
                                      "drafter checkpoint directory (official/SpecForge or speculators layout) to "
                                      "export beside the model; speculation is then on by default")
+    p.add_argument("--drafter-weights", choices=["float", "int8", "int4"],
+                   help="with --drafter: the drafter's weights (default: as --weights). A drafter only "
+                        "proposes, so int8 drafts faster with the output unchanged, even beside a float model")
     p.add_argument("--mtp-vocab", type=int, metavar="N",
                    help="with --drafter mtp: the head drafts only the N most frequent tokens (a draft step's "
                         "head product N/V the size; lossless, the target verifies). Default (or 0): all "

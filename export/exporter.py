@@ -88,7 +88,8 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     profile (name or TOML path): also write that device's NPU graph parts and, when the QNN
     HTP backend is here (it is on x86_64 as an emulator), its precompiled context binaries.
     weights int8/int4: every linear layer block-quantised for the CPU (export/quantize.py); dtype
-    then applies to what stays float. The drafter stays float. With an NPU profile the NPU parts
+    then applies to what stays float. The drafters' weights follow the target's, or drafter_weights
+    (float | int8 | int4: they only propose, so the output is the target's either way). With an NPU profile the NPU parts
     are quantised too: npu_quant "qdq" (default; w8a16/w4a16 calibrated on the text file
     `calibration`, export/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
     max_context: the NPU graphs' K/V capacity T_max instead of the profile's (whole chunks).
@@ -137,12 +138,12 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
                 f"{ck.config.num_layers - 1}" + ("" if n_draft is None else
                                                  f"; drafting {n_draft:,} of its {ck.config.vocab_size:,} tokens")
                 + ")")
-            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype, plan.quant)}
+            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype, plan.drafter_quant)}
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
             shipped[EAGLE3_KIND] = {"dir": DRAFTER_DIR, "kind": EAGLE3_KIND, **export_drafter(dck, tmp / DRAFTER_DIR, plan.dtype,
-                                                                                        plan.quant)}
+                                                                                        plan.drafter_quant)}
         if shipped:  # the default drafter (EAGLE-3 when both), and every drafter by kind
             manifest["drafter"] = shipped.get(EAGLE3_KIND) or shipped[MTP_KIND]
             manifest["drafters"] = {kind: entry["dir"] for kind, entry in shipped.items()}

@@ -376,6 +376,8 @@ def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
     (["--head-bits", "4"], "add --weights"),
     (["--weights", "int8", "--head-bits", "6"], "invalid choice"),
     (["--weights", "int4", "--profile", "snapdragon-x-elite"], "add --calibration FILE"),
+    (["--drafter-weights", "int8"], "add --drafter mtp or --drafter DIR"),
+    (["--drafter-weights", "int2"], "invalid choice"),
 ])
 def test_bad_quantisation_flags_exit_2_in_one_line(text_tied, tmp_path, capsys, flags, says):
     code = export_cli([str(text_tied.src), str(tmp_path / "out"), "--quiet", *flags])
@@ -397,6 +399,32 @@ def test_a_quantised_export_ships_its_drafter_quantised_alike(text_tied, tmp_pat
     target = json.loads((tmp_path / "out" / "model.json").read_text())["weights"]
     drafter = json.loads((tmp_path / "out" / "drafter" / "drafter.json").read_text())["weights"]
     assert drafter["quant"]["bits"] == 4 and drafter["quant"]["block_size"] == target["block_size"]
+    engine = hybrid_npu.load(tmp_path / "out")
+    engine.adaptive = False  # a round every step
+    ids = prompt(2 * CHUNK + 3, seed=5)
+    spec = engine.generate(ids, 32, stop_at_eos=False)
+    assert engine.last_stats["rounds"] > 0
+    assert spec == engine.generate(ids, 32, stop_at_eos=False, speculative=False)
+
+
+@pytest.mark.parametrize("weights,drafter_weights,bits", [(None, "int8", 8), ("int4", "float", None)],
+                         ids=["float-target-int8-drafter", "int4-target-float-drafter"])
+def test_drafter_weights_set_the_drafters_precision_apart_from_the_targets(text_tied, tmp_path, weights,
+                                                                          drafter_weights, bits):
+    """--drafter-weights: the drafter's weights whatever the target's (a drafter only proposes, so a
+    float target may draft with int8 weights). The target is exported as without the flag, the drafter
+    graph computes with MatMulNBits exactly when quantised, and speculation stays the target's output."""
+    import drafter_fixtures
+
+    src = drafter_fixtures.write_eagle3(tmp_path / "eagle3", drafter_fixtures.drafter_weights(seed=1, hidden_size=48,
+                                                                                              embed=False), hidden_size=48)
+    export(text_tied.src, tmp_path / "out", chunk=CHUNK, weights=weights, drafter=src, drafter_weights=drafter_weights)
+    target = json.loads((tmp_path / "out" / "model.json").read_text())["weights"]
+    drafter = json.loads((tmp_path / "out" / "drafter" / "drafter.json").read_text())["weights"]
+    assert target["mode"] == (weights or "float")
+    assert (drafter["quant"] or {}).get("bits") == bits
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "drafter" / "drafter.onnx"), load_external_data=False).graph.node}
+    assert ("MatMulNBits" in ops) == (bits is not None)
     engine = hybrid_npu.load(tmp_path / "out")
     engine.adaptive = False  # a round every step
     ids = prompt(2 * CHUNK + 3, seed=5)

@@ -13,7 +13,10 @@ inverted with no change here. Each source element must be found at least once, a
 is stored more than once (the drafter's copy of the target's embedding) with the same value.
 Norm offsets (Qwen3.5's zero-centred 1 + w) live in the graphs, not in the stored weights, so the
 weights come back as the checkpoint held them, rounded to the export's storage (fp16 matrices).
-Quantised exports cannot be inverted (their blocks are lossy): refused.
+Quantised exports cannot be inverted (their blocks are lossy): refused. A float target beside a
+quantised drafter (`--drafter-weights int8`, as the embedded model ships since its fifteenth pass)
+gives its target only. The embedded pair's float drafter is the fp16 drafter/ of the package before
+that change (git: the parent of the commit that made it int8); this script rebuilds both from it.
 """
 from __future__ import annotations
 
@@ -192,6 +195,11 @@ def rebuild(export_dir, out_dir) -> tuple[Path, Path | None]:
         (target / "train_log.json").write_text(json.dumps(training["target"]) + "\n")
     (target / "rebuilt.json").write_text(json.dumps(note, indent=1) + "\n")
     if "drafter" not in manifest:
+        return target, None
+    if (manifest["drafter"].get("weights") or {}).get("quant"):
+        print(f"checkpoint_from_export: {manifest['drafter']['dir']}/ has "
+              f"{manifest['drafter']['weights']['quant']['mode']} weights, which cannot be turned back into a "
+              "checkpoint: the target only", file=sys.stderr)
         return target, None
     dtensors, dcfg, d2t = drafter_tensors(export_dir, manifest, ModelConfig.from_dict(manifest["config"]))
     drafter = out_dir / "drafter"

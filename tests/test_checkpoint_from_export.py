@@ -1,6 +1,7 @@
 """scripts/checkpoint_from_export.py turns the shipped embedded export back into its source
 checkpoints: transformers' Qwen3.5 on the rebuilt target gives the shipped graphs' logits, and
-exporting the rebuilt pair again stores exactly the shipped bytes for every weight."""
+exporting the rebuilt target again stores exactly the shipped bytes for every weight. The shipped
+drafter is int8 (left out of the rebuild); a float drafter's round trip is held on a test export."""
 import importlib.util
 import json
 from pathlib import Path
@@ -51,7 +52,7 @@ def test_transformers_on_the_rebuilt_target_gives_the_shipped_graphs_logits(rebu
         assert ours.argmax() == ref[n - 1].argmax()
 
 
-def test_exporting_the_rebuilt_pair_again_stores_the_shipped_bytes(rebuilt):
+def test_exporting_the_rebuilt_target_again_stores_the_shipped_bytes(rebuilt):
     mod, target, drafter = rebuilt
     root = hybrid_npu.default_model()
     manifest = json.loads((root / "model.json").read_text())
@@ -67,7 +68,37 @@ def test_exporting_the_rebuilt_pair_again_stores_the_shipped_bytes(rebuilt):
         made = np.ascontiguousarray(entry.make(), dtype=entry.dtype)
         assert made.tobytes() == shipped[name].tobytes(), name
 
-    dck = read_drafter(drafter, ck.config, lambda: ck.load("embed_tokens.weight"))
+    assert drafter is None  # the shipped drafter is int8 (--drafter-weights): no checkpoint to rebuild
+
+
+def test_a_quantised_drafter_is_left_out_of_the_rebuild_in_one_line(rebuilt, capsys, tmp_path):
+    mod, _, _ = rebuilt
+    manifest = json.loads((hybrid_npu.default_model() / "model.json").read_text())
+    assert manifest["drafter"]["weights"]["quant"]["bits"] == 8
+    target, drafter = mod.rebuild(hybrid_npu.default_model(), tmp_path)
+    err = capsys.readouterr().err
+    assert drafter is None and not (tmp_path / "drafter").exists() and (target / "config.json").exists()
+    said = [line for line in err.splitlines() if line.startswith("checkpoint_from_export:")]  # (transformers' bars too)
+    assert len(said) == 1 and "int8 weights" in said[0], err
+
+
+def test_a_float_drafter_rebuilt_and_exported_again_stores_the_same_bytes(text_tied, tmp_path):
+    import drafter_fixtures
+    from conftest import CHUNK
+    from hybrid_npu.export.exporter import export
+
+    src = drafter_fixtures.write_eagle3(tmp_path / "eagle3", drafter_fixtures.drafter_weights(seed=1, hidden_size=48,
+                                                                                              embed=False), hidden_size=48)
+    export(text_tied.src, tmp_path / "export", chunk=CHUNK, dtype="fp16", drafter=src)
+    mod = _script()
+    root = tmp_path / "export"
+    manifest = json.loads((root / "model.json").read_text())
+    ck = read_checkpoint(text_tied.src)  # (the script's target rebuild is written for the embedded model's config)
+    dtensors, dcfg, d2t = mod.drafter_tensors(root, manifest, ck.config)
+    drafter = tmp_path / "rebuilt" / "drafter"
+    embed = ck.load("embed_tokens.weight").astype(np.float16).astype(np.float32)  # as the fp16 export stores it
+    mod.write_drafter(dtensors, dcfg, d2t, embed, drafter)
+    dck = read_drafter(drafter, ck.config, lambda: embed)
     dplan = WeightPlan(dck.load, np.float16)
     build_drafter_graphs(dck, dplan)
     dman = json.loads((root / "drafter" / "drafter.json").read_text())

@@ -1,6 +1,7 @@
 """Paired A/B of one CPU speed lever: two (export, session options) arms, alternated A B A B ... each
-in a fresh process (bench_cpu.bench_ours: prefill best of 2, decode best of 3), best of the rounds
-per arm. This VM drifts by ±20% over minutes, so only the ratio of arms measured side by side in
+in a fresh process (bench_cpu.bench_ours: prefill best of 2, decode best of 3), the order turned
+each round (A B, B A, ...: a slot's advantage is not left to one arm), best of the rounds per arm
+and the median of the rounds' paired ratios. This VM drifts by ±20% over minutes, so only the ratio of arms measured side by side in
 one run means anything. Prints one JSON object.
 
 An arm is EXPORT_DIR[,OPTION...]; an option is opt=disable|basic|extended|all (the graph
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import bench_ours, fresh_process  # noqa: E402
+from bench_cpu import arm_order, bench_ours, fresh_process, paired_median  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
@@ -92,8 +93,9 @@ def main() -> int:
     vocab = min(json.loads((arms[n][0] / "model.json").read_text())["config"]["vocab_size"] for n in arms)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, min(vocab, 200_000), args.prefill)]
     runs = {"a": [], "b": []}
-    for _ in range(args.rounds):
-        for name, (path, options) in arms.items():
+    for r in range(args.rounds):
+        for name in arm_order(list(arms), r):
+            path, options = arms[name]
             row = fresh_process(measure, path, options, args.threads, prompt, args.decode)
             runs[name].append({k: row[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")})
             print(name, runs[name][-1], file=sys.stderr)
@@ -104,6 +106,8 @@ def main() -> int:
                            for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}}
     result["b_over_a"] = {k: round(result["b"][f"best_{k}"] / result["a"][f"best_{k}"], 3)
                           for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    result["b_over_a_paired"] = {k: paired_median([r[k] for r in runs["b"]], [r[k] for r in runs["a"]])
+                                 for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
     bench_json.emit(result, args.out)
     return 0
 

@@ -1,5 +1,5 @@
 """Paired A/B of decode speed at depth: two exports (same checkpoint, different graphs), alternated
-A B A B ... each in a fresh process, decode tok/s at each context length (the K/V rows filled with
+A B, B A, ... (the order turned each round) each in a fresh process, decode tok/s at each context length (the K/V rows filled with
 random values as bench_context.py does: decode cost depends on how many rows there are, not on
 their values; the rate of the median step), best of the rounds per arm and length. Gives each arm's depth ratio (decode at the
 longest length / at the first) and B / A per length. Prints one JSON object.
@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_context import fill_context  # noqa: E402
-from bench_cpu import cpu_model, fresh_process  # noqa: E402
+from bench_cpu import arm_order, cpu_model, fresh_process, paired_median  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
@@ -61,8 +61,8 @@ def main() -> int:
     except ValueError:
         ap.error(f"--lengths {args.lengths!r} is not a comma-separated list of token counts, e.g. 0,2048,8192")
     runs: dict[str, list[list[float]]] = {"a": [], "b": []}
-    for _ in range(args.rounds):
-        for name in ("a", "b"):
+    for r in range(args.rounds):
+        for name in arm_order(["a", "b"], r):  # turned each round: no slot's advantage goes to one arm
             runs[name].append(fresh_process(decode_rates, getattr(args, name), lengths, args.steps, args.threads))
             print(name, dict(zip(lengths, runs[name][-1])), file=sys.stderr, flush=True)
     result = {"machine": {"cpu": cpu_model()}, "threads": args.threads, "steps": args.steps, "lengths": lengths}
@@ -72,6 +72,8 @@ def main() -> int:
         result[name] = {"export": str(getattr(args, name)), "runs": runs[name], "best_decode_tokens_per_s": best[name],
                         "depth_ratio": round(best[name][-1] / best[name][0], 3)}
     result["b_over_a"] = [round(b / a, 3) for a, b in zip(best["a"], best["b"])]
+    result["b_over_a_paired"] = [paired_median([r[j] for r in runs["b"]], [r[j] for r in runs["a"]])
+                                 for j in range(len(lengths))]
     bench_json.emit(result, args.out)
     return 0
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import arm_order, bench_ours, fresh_process, paired_median  # noqa: E402
+from bench_cpu import bench_ours, fresh_process  # noqa: E402
+from bench_speculative import paired, rotated  # noqa: E402  (the arm order turned each round, the median paired ratio)
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
@@ -94,7 +95,7 @@ def main() -> int:
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, min(vocab, 200_000), args.prefill)]
     runs = {"a": [], "b": []}
     for r in range(args.rounds):
-        for name in arm_order(list(arms), r):
+        for name in rotated(list(arms), r):
             path, options = arms[name]
             row = fresh_process(measure, path, options, args.threads, prompt, args.decode)
             runs[name].append({k: row[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")})
@@ -106,7 +107,7 @@ def main() -> int:
                            for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}}
     result["b_over_a"] = {k: round(result["b"][f"best_{k}"] / result["a"][f"best_{k}"], 3)
                           for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
-    result["b_over_a_paired"] = {k: paired_median([r[k] for r in runs["b"]], [r[k] for r in runs["a"]])
+    result["b_over_a_paired"] = {k: paired([r[k] for r in runs["b"]], [r[k] for r in runs["a"]])["paired_vs_plain"]
                                  for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
     bench_json.emit(result, args.out)
     return 0

@@ -18,7 +18,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_context import fill_context  # noqa: E402
-from bench_cpu import arm_order, cpu_model, fresh_process, paired_median  # noqa: E402
+from bench_cpu import cpu_model, fresh_process  # noqa: E402
+from bench_speculative import paired, rotated  # noqa: E402  (the arm order turned each round, the median paired ratio)
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
@@ -62,7 +63,7 @@ def main() -> int:
         ap.error(f"--lengths {args.lengths!r} is not a comma-separated list of token counts, e.g. 0,2048,8192")
     runs: dict[str, list[list[float]]] = {"a": [], "b": []}
     for r in range(args.rounds):
-        for name in arm_order(["a", "b"], r):  # turned each round: no slot's advantage goes to one arm
+        for name in rotated(["a", "b"], r):  # turned each round: no slot's advantage goes to one arm
             runs[name].append(fresh_process(decode_rates, getattr(args, name), lengths, args.steps, args.threads))
             print(name, dict(zip(lengths, runs[name][-1])), file=sys.stderr, flush=True)
     result = {"machine": {"cpu": cpu_model()}, "threads": args.threads, "steps": args.steps, "lengths": lengths}
@@ -72,7 +73,7 @@ def main() -> int:
         result[name] = {"export": str(getattr(args, name)), "runs": runs[name], "best_decode_tokens_per_s": best[name],
                         "depth_ratio": round(best[name][-1] / best[name][0], 3)}
     result["b_over_a"] = [round(b / a, 3) for a, b in zip(best["a"], best["b"])]
-    result["b_over_a_paired"] = [paired_median([r[j] for r in runs["b"]], [r[j] for r in runs["a"]])
+    result["b_over_a_paired"] = [paired([r[j] for r in runs["b"]], [r[j] for r in runs["a"]])["paired_vs_plain"]
                                  for j in range(len(lengths))]
     bench_json.emit(result, args.out)
     return 0

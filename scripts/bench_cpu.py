@@ -89,23 +89,6 @@ def fresh_process(fn, *args):
         return pool.apply(fn, args)
 
 
-def arm_order(names: list[str], r: int) -> list[str]:
-    """Round r's order of a paired A/B's arms: turned by one each round (A B, B A, ...), so each arm
-    takes each slot equally often. With A always first, the second process of a pair read faster in 6
-    of 7 pairs (0.8B int4 decode, an A/B of a session option that changed nothing); in an A/A run with
-    the order turned, the first did in 5 of 6 (docs/cpu-speed.md, fifteenth pass): which slot wins
-    moves with the VM, and a fixed order hands it to one arm."""
-    k = r % len(names)
-    return names[k:] + names[:k]
-
-
-def paired_median(b: list[float], a: list[float]) -> float:
-    """The median of round-by-round ratios b / a (the arms of a round ran minutes apart at most)."""
-    ratios = sorted(y / x for x, y in zip(a, b))
-    mid = len(ratios) // 2
-    return round(ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2, 3)
-
-
 def parse_mode(mode: str) -> tuple[str, dict]:
     """A weight mode: float, int8, int4, with optional -headN (--head-bits N) and -bN (--block-size
     N), e.g. int4-head4-b128 -> ("int4", {"head_bits": 4, "block_size": 128})."""

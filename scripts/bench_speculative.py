@@ -120,7 +120,10 @@ def rotated(modes: list, r: int) -> list:
     """Repeat r's order of the modes: the list turned by r, so that no mode always runs in the same
     slot (measured: two identical plain runs back to back, 8 repeats, paired median 0.96; the run
     just after a plain one was slower whatever it was). Repeat 0 keeps plain first: its output is
-    the reference the speculative ones are checked against."""
+    the reference the speculative ones are checked against. The CPU A/B scripts (ab_cpu.py,
+    ab_decode_depth.py) turn their two arms the same way: with A always first, the second process of
+    a pair read faster in 6 of 7 pairs, and in an A/A run turned each round the first did in 5 of 6
+    (docs/cpu-speed.md, fifteenth pass): which slot wins moves, and a fixed order hands it to one arm."""
     k = r % len(modes)
     return modes[k:] + modes[:k]
 

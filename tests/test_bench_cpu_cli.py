@@ -98,9 +98,9 @@ def test_ab_huge_pages_refuses_a_non_export_in_one_line(tmp_path):
 
 
 def test_paired_ab_turns_the_arm_order_each_round_and_takes_the_median_ratio():
-    from bench_cpu import arm_order, paired_median
-    orders = [arm_order(["a", "b"], r) for r in range(4)]
+    from bench_speculative import paired, rotated  # what ab_cpu.py and ab_decode_depth.py pair with
+    orders = [rotated(["a", "b"], r) for r in range(4)]
     assert orders == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]  # each arm first in half the rounds
-    assert [o[0] for o in (arm_order(["p", "q", "s"], r) for r in range(3))] == ["p", "q", "s"]
-    assert paired_median([2.0, 3.0, 9.0], [1.0, 1.0, 3.0]) == 3.0  # ratios 2, 3, 3
-    assert paired_median([2.0, 4.0], [1.0, 1.0]) == 3.0           # even count: the middle two's mean
+    assert [o[0] for o in (rotated(["p", "q", "s"], r) for r in range(3))] == ["p", "q", "s"]
+    assert paired([2.0, 3.0, 9.0], [1.0, 1.0, 3.0])["paired_vs_plain"] == 3.0  # ratios 2, 3, 3
+    assert paired([2.0, 4.0], [1.0, 1.0])["paired_vs_plain"] == 3.0           # even count: the middle two's mean

@@ -387,24 +387,34 @@ def test_bad_quantisation_flags_exit_2_in_one_line(text_tied, tmp_path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
-def test_a_quantised_export_ships_its_drafter_quantised_alike(text_tied, tmp_path):
-    """--weights int4 with an EAGLE-3 drafter: the drafter's linear layers are int4 too (a float
-    drafter at the real size reads more a draft level than the int4 target's decode step), and
-    speculation with both quantised is still the target's own greedy output."""
+def _eagle3_drafter(tmp_path):
+    """A small EAGLE-3 drafter checkpoint for text_tied (it shares the target's embedding)."""
     import drafter_fixtures
 
-    src = drafter_fixtures.write_eagle3(tmp_path / "eagle3", drafter_fixtures.drafter_weights(seed=1, hidden_size=48,
+    return drafter_fixtures.write_eagle3(tmp_path / "eagle3", drafter_fixtures.drafter_weights(seed=1, hidden_size=48,
                                                                                               embed=False), hidden_size=48)
-    export(text_tied.src, tmp_path / "out", chunk=CHUNK, weights="int4", drafter=src)
-    target = json.loads((tmp_path / "out" / "model.json").read_text())["weights"]
-    drafter = json.loads((tmp_path / "out" / "drafter" / "drafter.json").read_text())["weights"]
-    assert drafter["quant"]["bits"] == 4 and drafter["quant"]["block_size"] == target["block_size"]
-    engine = hybrid_npu.load(tmp_path / "out")
+
+
+def _assert_rounds_give_the_plain_output(export_dir):
+    """A round every step on this export speculates, and emits the target's own greedy tokens."""
+    engine = hybrid_npu.load(export_dir)
     engine.adaptive = False  # a round every step
     ids = prompt(2 * CHUNK + 3, seed=5)
     spec = engine.generate(ids, 32, stop_at_eos=False)
     assert engine.last_stats["rounds"] > 0
     assert spec == engine.generate(ids, 32, stop_at_eos=False, speculative=False)
+
+
+def test_a_quantised_export_ships_its_drafter_quantised_alike(text_tied, tmp_path):
+    """--weights int4 with an EAGLE-3 drafter: the drafter's linear layers are int4 too (a float
+    drafter at the real size reads more a draft level than the int4 target's decode step), and
+    speculation with both quantised is still the target's own greedy output."""
+    src = _eagle3_drafter(tmp_path)
+    export(text_tied.src, tmp_path / "out", chunk=CHUNK, weights="int4", drafter=src)
+    target = json.loads((tmp_path / "out" / "model.json").read_text())["weights"]
+    drafter = json.loads((tmp_path / "out" / "drafter" / "drafter.json").read_text())["weights"]
+    assert drafter["quant"]["bits"] == 4 and drafter["quant"]["block_size"] == target["block_size"]
+    _assert_rounds_give_the_plain_output(tmp_path / "out")
 
 
 @pytest.mark.parametrize("weights,drafter_weights,bits", [(None, "int8", 8), ("int4", "float", None)],
@@ -414,10 +424,7 @@ def test_drafter_weights_set_the_drafters_precision_apart_from_the_targets(text_
     """--drafter-weights: the drafter's weights whatever the target's (a drafter only proposes, so a
     float target may draft with int8 weights). The target is exported as without the flag, the drafter
     graph computes with MatMulNBits exactly when quantised, and speculation stays the target's output."""
-    import drafter_fixtures
-
-    src = drafter_fixtures.write_eagle3(tmp_path / "eagle3", drafter_fixtures.drafter_weights(seed=1, hidden_size=48,
-                                                                                              embed=False), hidden_size=48)
+    src = _eagle3_drafter(tmp_path)
     export(text_tied.src, tmp_path / "out", chunk=CHUNK, weights=weights, drafter=src, drafter_weights=drafter_weights)
     target = json.loads((tmp_path / "out" / "model.json").read_text())["weights"]
     drafter = json.loads((tmp_path / "out" / "drafter" / "drafter.json").read_text())["weights"]
@@ -425,9 +432,4 @@ def test_drafter_weights_set_the_drafters_precision_apart_from_the_targets(text_
     assert (drafter["quant"] or {}).get("bits") == bits
     ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "drafter" / "drafter.onnx"), load_external_data=False).graph.node}
     assert ("MatMulNBits" in ops) == (bits is not None)
-    engine = hybrid_npu.load(tmp_path / "out")
-    engine.adaptive = False  # a round every step
-    ids = prompt(2 * CHUNK + 3, seed=5)
-    spec = engine.generate(ids, 32, stop_at_eos=False)
-    assert engine.last_stats["rounds"] > 0
-    assert spec == engine.generate(ids, 32, stop_at_eos=False, speculative=False)
+    _assert_rounds_give_the_plain_output(tmp_path / "out")

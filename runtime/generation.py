@@ -10,6 +10,7 @@ each distributed as the target's conditional (sampled, speculative.accept_sample
 from __future__ import annotations
 
 import time
+from statistics import median
 from typing import Callable, Iterator
 
 import numpy as np
@@ -61,6 +62,7 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
     t1 = time.perf_counter()
     new = [sampler.choose(logits)]
     engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
+    steps_s = engine.spec_stats["plain_step_s"] = []  # each plain step's decode and choice
     if engine.drafter is not None and engine._tap_pending is not None:
         engine.drafter_feed.add([new[0]], engine._tap_pending[None])
         engine._tap_pending = None
@@ -81,7 +83,9 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                     catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
                     policy.record_guess_cost(time.perf_counter() - t)
             else:
+                t = time.perf_counter()
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
+                steps_s.append(time.perf_counter() - t)
             new.extend(emitted)  # in the context now, whether or not the caller takes them all
             yield from emitted
     finally:  # (the drafter is shown this reply's plain tokens when it is next needed: drafter_feed.py)
@@ -94,6 +98,9 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
             "ttft_s": t_prefill, "context_tokens": engine.state.position + len(engine._pending),
             "finish_reason": _finish_reason(new, stop_at_eos, engine.config.eos_token_ids, should_stop),
             "context_full": len(new) >= limit and limit < max_new_tokens,
+            # a plain step's typical cost in this very reply: new tokens x this over the decode time is
+            # the reply's rate against plain decoding measured at the same moments (bench_speculative)
+            "plain_step_median_s": median(steps_s) if steps_s else None,
         }
         if speculative:
             r = engine.spec_stats
@@ -140,8 +147,10 @@ def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) 
     per plain token."""
     t0 = time.perf_counter()
     nxt = sampler.choose(engine._step("decode", [token]))
+    seconds = time.perf_counter() - t0
+    engine.spec_stats["plain_step_s"].append(seconds)
     if policy is not None and policy.times_plain():
-        policy.record_plain(time.perf_counter() - t0)
+        policy.record_plain(seconds)
     elif policy is not None:  # where no round could pay, most plain steps are only counted
         policy.count_plain()
     engine.drafter_feed.add([nxt], engine._taps(engine._last_out, slice(0, 1)), decoded=True)  # (a slice: no index array)

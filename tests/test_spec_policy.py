@@ -1,5 +1,7 @@
 """The speculation policy (runtime/spec_policy.py): decisions from injected costs, never a clock, and
 the engine's output stays the target's whatever it decides."""
+import time
+
 import numpy as np
 import pytest
 from conftest import CHUNK
@@ -630,3 +632,31 @@ def test_a_fresh_engine_decodes_plainly_while_its_verify_session_opens(eagle3_ex
     still_opening.done() or still_opening.set_result(opened)
     assert engine.generate(prompt, 48, stop_at_eos=False) == plain
     assert engine.last_stats["rounds"] > 0
+
+
+def test_a_reply_reports_its_plain_steps_median_cost_as_the_policy_timed_them(eagle3_export):
+    """last_stats["plain_step_median_s"] (bench_speculative's rate against the reply's own plain
+    steps) is the median of the very plain-step times the policy is given, None with no plain step."""
+    import statistics
+
+    engine = hybrid_npu.load(eagle3_export)
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 300, CHUNK + 4)]
+    timed = []
+
+    class Recording(Scripted):
+        def record_plain(self, seconds):
+            timed.append(seconds)
+            super().record_plain(seconds)
+
+    engine.make_policy = lambda e: Recording(CYCLE)
+    engine.generate(prompt, 64, stop_at_eos=False)
+    s = engine.last_stats
+    assert len(timed) == s["plain_steps"] > 0 and s["rounds"] > 0
+    assert s["plain_step_median_s"] == statistics.median(timed)
+    engine.adaptive = False  # a round every step: no plain step to judge by
+    engine.generate(prompt, 32, stop_at_eos=False)
+    assert engine.last_stats["plain_steps"] == 0 and engine.last_stats["plain_step_median_s"] is None
+    t0 = time.perf_counter()
+    engine.generate(prompt, 32, stop_at_eos=False, speculative=False)  # plain decoding times its steps too
+    steps = engine.last_stats["plain_step_median_s"]
+    assert 0 < steps and 31 * steps < time.perf_counter() - t0

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -104,3 +106,38 @@ def test_paired_ab_turns_the_arm_order_each_round_and_takes_the_median_ratio():
     assert [o[0] for o in (rotated(["p", "q", "s"], r) for r in range(3))] == ["p", "q", "s"]
     assert paired([2.0, 3.0, 9.0], [1.0, 1.0, 3.0])["paired_vs_plain"] == 3.0  # ratios 2, 3, 3
     assert paired([2.0, 4.0], [1.0, 1.0])["paired_vs_plain"] == 3.0           # even count: the middle two's mean
+
+
+def test_bench_speculative_refuses_no_contexts_in_one_line(tmp_path):
+    run = _script("bench_speculative.py", "--context-prompts", "0", cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "--context-prompts" in run.stderr
+
+
+def test_context_rows_run_several_contexts_each_its_own_source_ending_in_its_own_prompt():
+    import bench_speculative as b
+
+    class Words:  # a tokenizer whose ids are word numbers: each context's source stretch is readable
+        class _Ids:
+            def __init__(self, ids):
+                self.ids = ids
+
+        def encode(self, text):
+            return self._Ids([len(w) + 1000 for w in text.split()][:3] or [1000])
+
+    source = list(range(500))
+    b_source = b.source_ids
+    b.source_ids = lambda tokenizer, n: source[:n]
+    try:
+        got = b.context_prompts(Words(), ["a bb", "ccc dddd eeeee ffffff"], [10, 100], 3)
+        assert [len(p) for p in got[10]] == [10, 10, 10] and [len(p) for p in got[100]] == [100] * 3
+        asks = [[1001, 1002], [1003, 1004, 1005], [1001, 1002]]  # the prompts cycled
+        for ctx in (10, 100):
+            for i, (p, ask) in enumerate(zip(got[ctx], asks)):
+                assert p[-len(ask):] == ask
+                body = p[: -len(ask)]
+                assert body == source[i * 100: i * 100 + len(body)]  # its own stretch: i x the longest length on
+        with pytest.raises(ValueError, match="--context-prompts"):  # 6 x 100 tokens of source needed, 500 there
+            b.context_prompts(Words(), ["a"], [100], 6)
+    finally:
+        b.source_ids = b_source

@@ -115,6 +115,7 @@ class SpecPolicy:
     guess_interval: int = 0                       # plain steps until the next guesses are due
     _await_guesses: bool = False                  # at a far context: plain steps until the guesses judge rounds
     _fast_plain: bool = False                     # the last choose() answered plain where no round could pay
+    _rounds_kept: tuple | None = None             # (fixed costs, draft level, verify graphs, _round_costs' answer)
 
     def __post_init__(self):
         if self.max_depth < 1:
@@ -201,22 +202,39 @@ class SpecPolicy:
 
     def _round_cost(self, depth: int, costs: tuple) -> float | None:
         """A round's cost in the costs' unit."""
-        draft_level_s, fixed_all, _ = costs
-        key = self._nodes(depth)
-        # only the graph of the device this round verifies on: the NPU's static verify and the CPU's
+        return self._round_costs(costs)[depth - 1]
+
+    def _round_costs(self, costs: tuple) -> tuple:
+        """Each depth's round cost in the costs' unit (None where its device has no measured verify),
+        worked out again only when the costs or a depth's verify graph change. rounds_can_pay asks for
+        all of them whenever the fastest decode step moves (every ~3 plain steps): rebuilt each time,
+        they took ~2% of the embedded pair's decoding after 500 tokens (cProfile, sixteenth pass)."""
+        graphs = self._depth_graphs()
+        kept = self._rounds_kept
+        if kept is not None and kept[0] is costs[1] and kept[1] == costs[0] and kept[2] == graphs:
+            return kept[3]
+        # only the graph of the device a round verifies on: the NPU's static verify and the CPU's
         # sized one cost different things (past the NPU's T_max rounds move to the CPU; judged by
         # the NPU's costs, the CPU's rounds were never tried: docs/speculation.md)
-        fixed_s = {k: v for k, v in fixed_all.items() if _device(k) == _device(key)}
-        if not fixed_s:
-            return None
-        # a verify size costs at most what any larger measured size costs (a larger graph does more
-        # work): an unmeasured size, or one measured a few times under a load spike and then never
-        # chosen again, is charged as the cheapest measured size at or above it. Measured on the
-        # embedded pair: one 36.8 ms 4-node verify, beside 16 ms for 8 nodes, kept depths 1-3 out
-        # for a whole reply. Above every measured size: the largest one.
-        above = [v for k, v in fixed_s.items() if _size(k) >= _size(key)]
-        fixed = min(above) if above else fixed_s[max(fixed_s, key=_size)]
-        return fixed + depth * draft_level_s
+        measured: dict = {}
+        for k, v in costs[1].items():
+            measured.setdefault(_device(k), []).append((_size(k), v))
+        rounds = []
+        for depth, key in enumerate(graphs, 1):
+            sizes = measured.get(_device(key))
+            if not sizes:
+                rounds.append(None)
+                continue
+            # a verify size costs at most what any larger measured size costs (a larger graph does more
+            # work): an unmeasured size, or one measured a few times under a load spike and then never
+            # chosen again, is charged as the cheapest measured size at or above it. Measured on the
+            # embedded pair: one 36.8 ms 4-node verify, beside 16 ms for 8 nodes, kept depths 1-3 out
+            # for a whole reply. Above every measured size: the largest one.
+            above = [v for size, v in sizes if size >= _size(key)]
+            fixed = min(above) if above else max(sizes, key=lambda sv: sv[0])[1]
+            rounds.append(fixed + depth * costs[0])
+        self._rounds_kept = (costs[1], costs[0], graphs, tuple(rounds))
+        return self._rounds_kept[3]
 
     def best_depth(self) -> tuple[int, float]:
         """(depth, tokens per second) of the best round by the estimates; (0, 0) if unknown. Its
@@ -236,14 +254,16 @@ class SpecPolicy:
     def _estimates(self, costs: tuple) -> tuple:
         """What best_depth reads besides the unit: the round costs, the acceptance evidence, each
         depth's verify graph."""
-        return (costs[0], costs[1], self.successes, self.failures,
-                tuple(self._nodes(d) for d in range(1, self.max_depth + 1)))
+        return (costs[0], costs[1], self.successes, self.failures, self._depth_graphs())
+
+    def _depth_graphs(self) -> tuple:
+        """Each depth's verify graph: the decision's own (choose) or asked now."""
+        return self._graphs if self._graphs is not None else tuple(self._nodes(d) for d in range(1, self.max_depth + 1))
 
     def _best_depth(self, costs: tuple) -> tuple[int, float]:
         """(depth, tokens per unit of the costs)."""
         best = (0, 0.0)
-        for d in range(1, self.max_depth + 1):
-            c = self._round_cost(d, costs)
+        for d, c in enumerate(self._round_costs(costs), 1):
             if c is None:
                 return 0, 0.0
             rate = self.expected_tokens(d) / max(c, 1e-12)
@@ -285,7 +305,7 @@ class SpecPolicy:
             return True
         else:
             unit = self.decode_s / costs[2]  # the costs' unit in decode steps
-        rounds = [self._round_cost(d, costs) for d in range(1, self.max_depth + 1)]
+        rounds = self._round_costs(costs)
         if None in rounds:
             return True
         best = max((d + 1) / max(c, 1e-12) for d, c in enumerate(rounds, 1))

@@ -15,7 +15,8 @@ row keeps its best repeat ("vs_plain": best against best), and also the median o
 ratios to the plain run of the same repeat ("paired_vs_plain"; each repeat turns the
 order of the modes by one): one 96-token reply here varies by
 ±15-20% from one run to the next even on a quiet machine, so a best-of ratio of a few repeats can
-land anywhere in that band, where the median of the pairs is steadier. Every speculative output is checked against the plain greedy output
+land anywhere in that band, where the median of the pairs is steadier. "own_vs_plain" reads
+the same from inside the replies (vs_own_plain_steps, below), paired the same way. Every speculative output is checked against the plain greedy output
 of the same prompt: a mismatch is reported in the JSON (it would be a bug: speculation is lossless).
 
     python scripts/bench_speculative.py [--model EXPORT] [--prompts 16] [--new 128] [--threads 2]
@@ -168,6 +169,15 @@ def paired(rates: list[float], plain: list[float]) -> dict:
     return {"paired_vs_plain": round(statistics.median(ratios), 3), "paired_ratios": [round(x, 3) for x in ratios]}
 
 
+def own_paired(mode: list, plain: list) -> dict:
+    """Each repeat's vs_own_plain_steps over plain's in the same repeat (a plain reply's own reads below
+    1 by its loop and by its steps' skew), their median: the rate against plain decoding from
+    inside the replies. Repeats where either has none are left out."""
+    ratios = [m / p for m, p in zip(mode, plain) if m and p]
+    return {"own_vs_plain": round(statistics.median(ratios), 3) if ratios else None,
+            "own_ratios": [round(x, 3) for x in ratios]}
+
+
 def machine() -> str:
     """The CPU by name (Linux: /proc/cpuinfo's model name, what lscpu prints) and its core count."""
     info = Path("/proc/cpuinfo")
@@ -223,6 +233,7 @@ def main() -> int:
         for kind, e in engines.items() for name, shape in chat_shape_sets[kind].items() for mode in args.modes]
     best: dict = {}
     per_repeat: dict = {}
+    own: dict = {}  # each repeat's vs_own_plain_steps
     reference = None
     for r in range(args.repeats):
         for name, spec, e in rotated(chat_modes, r):
@@ -236,11 +247,12 @@ def main() -> int:
                 if spec:
                     row["shape"] = e.draft_shape
             per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
+            own.setdefault(name, []).append(row["vs_own_plain_steps"])
             if name not in best or row["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
                 best[name] = row
     for name, row in best.items():
         row["vs_plain"] = round(row["decode_tokens_per_s"] / best["plain"]["decode_tokens_per_s"], 2)
-        row.update(paired(per_repeat[name], per_repeat["plain"]))
+        row.update(paired(per_repeat[name], per_repeat["plain"]), **own_paired(own[name], own["plain"]))
     result["chat"] = {"prompts": len(prompts), "new_tokens_per_prompt": args.new, "rows": best}
     print(json.dumps(result["chat"]), file=sys.stderr, flush=True)
     # after long contexts: the embedded default draft shape (its manifest's) for the default drafter
@@ -254,7 +266,7 @@ def main() -> int:
         return 2
     for ctx in args.contexts:
         rows: dict = {}
-        per_repeat = {}
+        per_repeat, own = {}, {}
         reference = None
         runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [
             (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in args.modes]
@@ -268,11 +280,12 @@ def main() -> int:
                     row["mismatched"] = sum(a != b for a, b in zip(outputs, reference))
                     row["shape"] = e.draft_shape
                 per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
+                own.setdefault(name, []).append(row["vs_own_plain_steps"])
                 if name not in rows or row["decode_tokens_per_s"] > rows[name]["decode_tokens_per_s"]:
                     rows[name] = row
         for mode, row in rows.items():
             row["vs_plain"] = round(row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"], 2)
-            row.update(paired(per_repeat[mode], per_repeat["plain"]))
+            row.update(paired(per_repeat[mode], per_repeat["plain"]), **own_paired(own[mode], own["plain"]))
         result["context"].append({"context_tokens": ctx, "contexts": len(contexts[ctx]), "new_tokens": args.context_new,
                                   "rows": rows})
         print(json.dumps(result["context"][-1]), file=sys.stderr, flush=True)

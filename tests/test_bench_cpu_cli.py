@@ -141,3 +141,10 @@ def test_context_rows_run_several_contexts_each_its_own_source_ending_in_its_own
             b.context_prompts(Words(), ["a"], [100], 6)
     finally:
         b.source_ids = b_source
+
+
+def test_own_rates_pair_repeat_by_repeat_and_skip_repeats_without_plain_steps():
+    from bench_speculative import own_paired
+    got = own_paired([0.95, None, 0.90, 1.2], [0.95, 0.97, 1.0, 1.0])  # the second: no plain steps to judge by
+    assert got["own_ratios"] == [1.0, 0.9, 1.2] and got["own_vs_plain"] == 1.0
+    assert own_paired([None], [0.98])["own_vs_plain"] is None

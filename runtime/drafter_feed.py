@@ -37,10 +37,14 @@ class DrafterFeed:
     def __len__(self) -> int:
         return self.skipped + len(self._tokens)
 
-    def add(self, tokens, features: np.ndarray, decoded: bool = False) -> None:
-        """Pairs (feature of position t, token t+1); features [n, width]."""
+    def add(self, tokens, features, decoded: bool = False) -> None:
+        """Pairs (feature of position t, token t+1); features [n, width], or a tuple of its parts [n,
+        w_j] (a plain step's taps as the graph returned them), joined only when the pairs are taken:
+        joining each plain step's taps as it came cost ~1% of the embedded pair's plain decoding, and
+        of a long plain run only the last `keep` pairs are ever taken."""
         self._tokens.extend(int(t) for t in tokens)
-        self._features.append(np.asarray(features, np.float32).reshape(len(tokens), -1))
+        self._features.append(features if isinstance(features, tuple)
+                              else np.asarray(features, np.float32).reshape(len(tokens), -1))
         self.decoded += len(tokens) if decoded else 0
         if self.keep is not None and len(self._tokens) > 2 * self.keep:  # bound what is held
             self._trim()
@@ -49,26 +53,48 @@ class DrafterFeed:
 
     def _trim(self) -> None:
         drop = len(self._tokens) - self.keep
-        features = np.concatenate(self._features)[drop:]
+        features = self._rows(drop)
         self._tokens, self._features = self._tokens[drop:], [features]
         self.skipped += drop
 
     def _flush(self) -> None:
         """Show the owner all but the last HOLD_BACK pairs now: it reads every row, so none may be skipped."""
         cut = len(self._tokens) - HOLD_BACK
-        features = np.concatenate(self._features)
+        features = self._rows()
         self.owner.observe(self._tokens[:cut], features[:cut])
         self._tokens, self._features = self._tokens[cut:], [features[cut:]]
         self.decoded = min(self.decoded, HOLD_BACK)
+
+    def _rows(self, drop: int = 0) -> np.ndarray:
+        """The held features as one [n - drop, width] array, oldest first, without their first `drop`
+        rows (whole blocks of those are never joined)."""
+        blocks = list(self._features)
+        while blocks and _rows_in(blocks[0]) <= drop:
+            drop -= _rows_in(blocks.pop(0))
+        out, run = [], []
+        for block in blocks + [None]:  # a run of parts: each tap's rows joined at once, then the taps
+            if isinstance(block, tuple):
+                run.append(block)
+                continue
+            if run:
+                out.append(np.concatenate([np.concatenate(part) for part in zip(*run)], axis=-1))
+                run = []
+            if block is not None:
+                out.append(block)
+        return (out[0] if len(out) == 1 else np.concatenate(out))[drop:]
 
     def take(self) -> tuple[int, list[int], np.ndarray]:
         """(pairs to skip, tokens, features [n, width]) to show the drafter, oldest first; empties the feed."""
         if self.keep is not None and len(self._tokens) > self.keep:
             self._trim()
         skipped, tokens = self.skipped, self._tokens
-        features = np.concatenate(self._features) if self._features else np.zeros((0, 0), np.float32)
+        features = self._rows() if self._features else np.zeros((0, 0), np.float32)
         self.clear()
         return skipped, tokens, features
+
+
+def _rows_in(block) -> int:
+    return len(block[0]) if isinstance(block, tuple) else len(block)
 
 
 def feed_for(drafter) -> DrafterFeed:

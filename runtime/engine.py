@@ -273,8 +273,12 @@ class Engine:
     def _taps(self, out: dict[str, np.ndarray], rows) -> np.ndarray:
         """The drafter's feature of the given token rows, its taps concatenated in its order (EAGLE-3:
         low | mid | high; MTP: the residual after the last layer)."""
+        return np.concatenate(self._tap_parts(out, rows), axis=-1)
+
+    def _tap_parts(self, out: dict[str, np.ndarray], rows) -> tuple:
+        """_taps before the concatenation: each tap's rows, in the drafter's order."""
         order = getattr(self.drafter, "input_order", None) or self.config.tap_layers
-        return np.concatenate([out[f"tap.{j}"][rows] for j in order], axis=-1)
+        return tuple(out[f"tap.{j}"][rows] for j in order)
 
     @property
     def drafter_feed(self) -> DrafterFeed:

@@ -153,7 +153,8 @@ def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) 
         policy.record_plain(seconds)
     elif policy is not None:  # where no round could pay, most plain steps are only counted
         policy.count_plain()
-    engine.drafter_feed.add([nxt], engine._taps(engine._last_out, slice(0, 1)), decoded=True)  # (a slice: no index array)
+    # its taps as the graph returned them (a slice: no index array), joined when the drafter takes them
+    engine.drafter_feed.add([nxt], engine._tap_parts(engine._last_out, slice(0, 1)), decoded=True)
     engine.spec_stats["plain_steps"] += 1
     return nxt
 

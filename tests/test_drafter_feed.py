@@ -55,3 +55,25 @@ def test_a_drafter_that_cannot_skip_is_shown_a_long_run_as_it_grows_and_in_order
     skipped, tokens, features = feed.take()
     assert skipped == 0 and owner.tokens + tokens == list(range(n))
     assert np.array_equal(np.concatenate(owner.features + [features]), pairs(n)[1])
+
+
+def test_pairs_given_as_tap_parts_are_taken_as_the_joined_features_in_order():
+    """A plain step hands its taps unjoined (a tuple of [1, w_j] parts); mixed with whole blocks, kept
+    through trims, the feed gives what joining each at once would have given."""
+    widths = (2, 3, 1)
+
+    def parts(n, start):  # the parts of pairs(n, start, width=6), column blocks of 2, 3 and 1
+        whole = pairs(n, start, width=6)[1]
+        return tuple(np.split(whole, np.cumsum(widths)[:-1], axis=1))
+
+    for keep in (None, 4, 7):
+        feed = DrafterFeed(keep=keep)
+        feed.add(*pairs(3, 0, width=6))  # a prompt's block
+        for t in range(3, 12):
+            feed.add([t], parts(1, t), decoded=True)
+        feed.add(*pairs(2, 12, width=6))  # a round's path
+        feed.add([14], parts(1, 14), decoded=True)
+        skipped, tokens, features = feed.take()
+        assert tokens == list(range(skipped, 15))
+        assert np.array_equal(features, pairs(15, 0, width=6)[1][skipped:])
+        assert skipped == (0 if keep is None else 15 - keep)

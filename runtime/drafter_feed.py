@@ -68,11 +68,12 @@ class DrafterFeed:
     def _rows(self, drop: int = 0) -> np.ndarray:
         """The held features as one [n - drop, width] array, oldest first, without their first `drop`
         rows (whole blocks of those are never joined)."""
-        blocks = list(self._features)
-        while blocks and _rows_in(blocks[0]) <= drop:
-            drop -= _rows_in(blocks.pop(0))
+        first = 0
+        while first < len(self._features) and _rows_in(self._features[first]) <= drop:
+            drop -= _rows_in(self._features[first])
+            first += 1
         out, run = [], []
-        for block in blocks + [None]:  # a run of parts: each tap's rows joined at once, then the taps
+        for block in self._features[first:] + [None]:  # a run of parts: each tap's rows joined at once, then the taps
             if isinstance(block, tuple):
                 run.append(block)
                 continue

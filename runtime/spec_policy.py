@@ -259,7 +259,7 @@ class SpecPolicy:
 
     def _depth_graphs(self) -> tuple:
         """Each depth's verify graph: the decision's own (choose) or asked now."""
-        return self._graphs if self._graphs is not None else tuple(self._nodes(d) for d in range(1, self.max_depth + 1))
+        return self._graphs if self._graphs is not None else self._graphs_now()
 
     def _best_depth(self, costs: tuple) -> tuple[int, float]:
         """(depth, tokens per unit of the costs)."""

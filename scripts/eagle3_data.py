@@ -51,15 +51,39 @@ def make_prompts(docs, tok, n: int, seed: int, max_prompt: int) -> list[list[int
     return out
 
 
+def context_prompts(docs, tok, n: int, seed: int, max_context: int, min_context: int = 256) -> list[list[int]]:
+    """Long contexts, as a reader meets them (bench_speculative's context rows): a stretch of source,
+    log-uniform in [min_context, max_context] tokens, from the documents' code laid end to end; half
+    of them end in a chat turn of the same documents (a question after a document), half mid-source."""
+    rng = np.random.default_rng(seed)
+    code = [d for d in docs if d.kind == "code"]
+    chats = [d for d in docs if d.kind != "code"]
+    stream = np.concatenate([np.asarray(e.ids, np.int64) for e in tok.encode_batch([d.text for d in code])]
+                            or [np.zeros(0, np.int64)])   # in the documents' order; starts are random
+    top = min(max_context, len(stream) - 1)   # a small corpus: contexts as long as it holds
+    if top < 16:
+        raise ValueError(f"the documents hold {len(stream)} tokens of source; long contexts need more")
+    out = []
+    for _ in range(n):
+        length = int(np.exp(rng.uniform(np.log(min(min_context, top)), np.log(top))))
+        ask = (tok.encode(stdlib_corpus.chat_text(chats[rng.integers(len(chats))].prompt)).ids
+               if chats and rng.random() < 0.5 else [])
+        start = int(rng.integers(0, len(stream) - length))
+        out.append([int(t) for t in stream[start: start + max(length - len(ask), 1)]] + ask)
+    return out
+
+
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], gen_tokens: int, batch: int, pad_id: int, eos_ids, taps,
-             device="cpu") -> list[Sequence]:
+             device="cpu", keep_prompt: int | None = None) -> list[Sequence]:
     """Greedy continuations with their features, in the prompts' order. Batched by prompt length with
     left padding (GDN layers zero padded positions; RoPE only sees relative positions). The hidden
     states come from the generation passes themselves (prefill + cached decode steps): a second
     full-sequence pass would double the cost (measured: the torch GDN prefill path runs at ~250
     tokens/s on this CPU). The last sampled token has none, so each sequence ends one token
-    earlier: prompt + generation up to (and including) the first end-of-sequence token."""
+    earlier: prompt + generation up to (and including) the first end-of-sequence token.
+    keep_prompt: keep only the last keep_prompt prompt positions (a long context's features are
+    computed over all of it; a drafter reading a window of rows needs only that many)."""
     eos = set(eos_ids)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list = [None] * len(prompts)
@@ -85,9 +109,10 @@ def generate(model, prompts: list[list[int]], gen_tokens: int, batch: int, pad_i
             new = out.sequences[r, width:].tolist()
             cut = next((j for j, t in enumerate(new) if t in eos), len(new) - 1)
             n = p + min(cut + 1, len(new) - 1)          # tokens that have hidden states
-            rows = slice(width - p, width - p + n)
-            seq = (list(prompts[i]) + new)[:n]
-            results[i] = Sequence(np.asarray(seq, np.int64), p, fused[r, rows].cpu().numpy(),
+            skip = max(p - keep_prompt, 0) if keep_prompt else 0
+            rows = slice(width - p + skip, width - p + n)
+            seq = (list(prompts[i]) + new)[skip:n]
+            results[i] = Sequence(np.asarray(seq, np.int64), p - skip, fused[r, rows].cpu().numpy(),
                                   final[r, rows].cpu().numpy(), argmax[r, rows].cpu().numpy().astype(np.int64))
     return results
 

@@ -75,9 +75,10 @@ def rope(x, pos, theta: float):
 
 
 class Attention(nn.Module):
-    def __init__(self, s: DraftShape):
+    def __init__(self, s: DraftShape, window: int | None = None):
         super().__init__()
         h, nh, nkv, hd = s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        self.window = window  # step-0 keys a query sees (the runtime's DRAFT_WINDOW); None: all
         self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
         self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
@@ -97,6 +98,9 @@ class Attention(nn.Module):
         vs = [c[1].repeat_interleave(rep, 1) for c in cache]
         scale = 1.0 / math.sqrt(self.hd)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        if self.window:  # as runtime/eagle3.py reads: an observed row sees the window before it and
+            # itself (keys t - window .. t), a draft level the last `window` stable rows (t - window + 1 .. t)
+            causal = causal.triu(-self.window if len(cache) == 1 else 1 - self.window)
         s0 = (q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))   # [B, nH, T, T]
         diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in ks[1:]]                 # [B, nH, T, 1] each
         p = torch.softmax(torch.cat([s0, *diag], -1), -1)
@@ -118,12 +122,12 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    def __init__(self, s: DraftShape):
+    def __init__(self, s: DraftShape, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = Attention(s)
+        self.self_attn = Attention(s, window)
         self.mlp = MLP(s)
 
     def forward(self, e, f, pos, cache):
@@ -134,12 +138,12 @@ class MidLayer(nn.Module):
 
 
 class Drafter(nn.Module):
-    def __init__(self, s: DraftShape, embed: torch.Tensor):
+    def __init__(self, s: DraftShape, embed: torch.Tensor, window: int | None = None):
         super().__init__()
         self.shape = s
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)  # frozen, not saved
         self.fc = nn.Linear(s.n_taps * s.target_hidden_size, s.hidden_size, bias=False)
-        self.midlayer = MidLayer(s)
+        self.midlayer = MidLayer(s, window)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
 

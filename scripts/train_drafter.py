@@ -2,16 +2,20 @@
 
     python scripts/train_drafter.py TARGET_DIR OUT_DIR [--minutes 15] [--prompts 512] [--gen-tokens 128]
         [--draft-vocab V] [--ttt-steps 7] [--threads 2] [--device cpu]
+        [--long-prompts N --max-context 4096] [--window 512]
 
 Phases (each timed in OUT_DIR/train_log.json):
   1. data: the target's greedy continuations of training-split corpus prompts (scripts/stdlib_corpus.py;
      chat kinds: the rendered user turn, code: the source up to a random line) with, from the same
      passes, the taps (residual stream entering layers (2, L//2, L-3), as our runtime records them)
-     and the target's final hidden state (its logits are the soft targets);
+     and the target's final hidden state (its logits are the soft targets); with --long-prompts, also
+     long contexts (a stretch of source up to --max-context tokens, half ending in a chat turn), of
+     which only the last --window prompt rows are kept: the runtime's drafter reads no more;
   2. draft vocabulary: the most frequent tokens of that data (d2t/t2d);
   3. TTT training for --minutes (AdamW, warmup + cosine over the budget, grad clip);
   4. OUT_DIR/config.json + model.safetensors in the official/SpecForge layout (export-hybrid --drafter);
-  5. acceptance on held-out prompts: a teacher-free chain estimate (depth 6), then through our runtime:
+  5. acceptance on held-out prompts (and held-out long contexts, with --long-prompts): a teacher-free
+     chain estimate (depth 6), then through our runtime:
      export target + drafter, engine.generate(speculative=True) (tree: top_k 4, depth 6), checked
      equal to plain greedy output.
 """
@@ -40,10 +44,16 @@ def parse_args(argv=None):
     ap.add_argument("target", type=Path, help="Hugging Face Qwen3.5 hybrid checkpoint directory")
     ap.add_argument("out", type=Path, help="where the drafter checkpoint and train_log.json go")
     ap.add_argument("--minutes", type=float, default=15.0, help="training-loop budget (data and eval come on top)")
+    ap.add_argument("--total-minutes", type=float, help="a wall-clock budget for the whole run (a lent machine's "
+                    "time): the training loop gets what data generation left of it, less a minute for the rest")
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--prompts", type=int, default=512, help="training prompts to generate from")
     ap.add_argument("--gen-tokens", type=int, default=128, help="tokens the target generates per prompt")
     ap.add_argument("--max-prompt", type=int, default=192, help="prompt length cap in tokens")
+    ap.add_argument("--long-prompts", type=int, default=0, help="long-context training prompts besides those")
+    ap.add_argument("--max-context", type=int, default=4096, help="the longest long-context prompt, in tokens")
+    ap.add_argument("--window", type=int, default=512,
+                    help="stable rows a draft query reads in training (runtime/eagle3.py DRAFT_WINDOW); 0: all")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (default: min(V, 32000))")
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--batch", type=int, default=8, help="sequences per training step")
@@ -65,6 +75,8 @@ def parse_args(argv=None):
         raise UserError(f"--init {args.init}: no model.safetensors there; give a drafter train_drafter.py wrote")
     if args.ttt_steps < 1 or args.prompts < 1 or args.gen_tokens < 2 or args.batch < 1:
         raise UserError("--ttt-steps, --prompts, --batch must be >= 1 and --gen-tokens >= 2")
+    if args.long_prompts < 0 or args.window < 0 or (args.long_prompts and args.max_context < 512):
+        raise UserError("--long-prompts and --window must be >= 0 and --max-context >= 512")
     return args
 
 
@@ -98,16 +110,23 @@ def load_target(path: Path, device: str):
     return model, text, Tokenizer.from_file(str(path / "tokenizer.json")), tuple(taps)
 
 
-def build_data(model, tok, docs, n, args, clock, label):
+def build_data(model, tok, docs, n, args, clock, label, long=False):
+    """long: long-context prompts (their last --window prompt rows kept), else the short ones."""
     import eagle3_data as data
 
     gc = model.generation_config
     eos = gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id]
     pad = gc.pad_token_id if gc.pad_token_id is not None else eos[0]
-    prompts = data.make_prompts(docs, tok, n, args.seed, args.max_prompt)
+    if long:
+        try:
+            prompts = data.context_prompts(docs, tok, n, args.seed, args.max_context)
+        except ValueError as e:
+            raise UserError(f"{e} (give a larger --corpus-root)") from None
+    else:
+        prompts = data.make_prompts(docs, tok, n, args.seed, args.max_prompt)
     with clock.phase(f"{label}_generate"):
         return prompts, data.generate(model, prompts, args.gen_tokens, args.gen_batch, pad, eos, args.taps,
-                                      args.device)
+                                      args.device, keep_prompt=args.window if long and args.window else None)
 
 
 class _TextLM:
@@ -131,14 +150,14 @@ def batches(seqs, size: int, rng: random.Random):
             yield [seqs[i] for i in g]
 
 
-def train(drafter, head, seqs, t2d, args, log):
+def train(drafter, head, seqs, t2d, args, log, budget: float):
     import torch
 
     from eagle3_train import collate, ttt_loss
 
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
-    budget, warm, step = args.minutes * 60.0, 20, 0
+    warm, step = 20, 0
     it = batches(seqs, args.batch, random.Random(args.seed))
     t0 = time.perf_counter()
     while step < args.max_steps and time.perf_counter() - t0 < budget:
@@ -217,7 +236,7 @@ def run(args) -> dict:
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    clock = Clock()
+    clock, started = Clock(), time.perf_counter()
     with clock.phase("load"):
         model, text, tok, args.taps = load_target(args.target, args.device)
         docs = stdlib_corpus.documents(args.corpus_root)
@@ -234,6 +253,10 @@ def run(args) -> dict:
 
     _, seqs = build_data(model, tok, train_docs, args.prompts, args, clock, "train")
     eval_prompts, eval_seqs = build_data(model, tok, held_docs, args.eval_prompts, args, clock, "eval")
+    long_eval: list = []
+    if args.long_prompts:
+        seqs += build_data(model, tok, train_docs, args.long_prompts, args, clock, "train_long", long=True)[1]
+        long_eval = build_data(model, tok, held_docs, args.eval_prompts, args, clock, "eval_long", long=True)[1]
     used = data.draft_vocabulary(seqs, V, vd)
     t2d = np.zeros(V, bool)
     t2d[used] = True
@@ -241,30 +264,44 @@ def run(args) -> dict:
     gen_ids = np.concatenate([s.ids[s.prompt_len:] for s in seqs])
     log = {"target": str(args.target), "taps_entering_layers": list(args.taps),
            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "data": {"train_sequences": len(seqs), "train_tokens": int(len(all_ids)),
+           "data": {"train_sequences": len(seqs), "long_sequences": args.long_prompts,
+                    "train_tokens": int(len(all_ids)),
                     "generated_tokens": int(len(gen_ids)), "eval_sequences": len(eval_seqs),
                     "draft_vocab": vd, "draft_vocab_coverage": float(t2d[all_ids].mean()),
                     "draft_vocab_coverage_generated": float(t2d[gen_ids].mean())},
            "steps": [], "loss": [], "loss_per_ttt_step": [], "top1_per_ttt_step": [], "step_s": []}
 
-    drafter = Drafter(shape_for_target(cfg, vd, len(args.taps)), text.embed_tokens.weight).to(args.device)
+    drafter = Drafter(shape_for_target(cfg, vd, len(args.taps)), text.embed_tokens.weight,
+                      window=args.window or None).to(args.device)
     used_t = torch.from_numpy(used).to(args.device)
     if args.init:
         load_checkpoint(drafter, used, args.init)
     else:
         init_from_target(drafter, _TextLM(text, model.lm_head), used_t)
     head = model.lm_head.weight.detach()[used_t].float()
-    log["eval_chain_before"] = chain_acceptance(drafter, eval_seqs, used, t2d, DEPTH, args.gen_batch, args.device)
+    def evaluate(key):
+        log[key] = chain_acceptance(drafter, eval_seqs, used, t2d, DEPTH, args.gen_batch, args.device)
+        if long_eval:
+            log[key + "_long"] = chain_acceptance(drafter, long_eval, used, t2d, DEPTH, args.gen_batch, args.device)
+    evaluate("eval_chain_before")
+    budget = args.minutes * 60.0
+    if args.total_minutes:   # a minute kept for saving and the held-out evaluation
+        budget = min(budget, args.total_minutes * 60.0 - (time.perf_counter() - started) - 60.0)
+    log["train_budget_s"] = round(max(budget, 1.0), 1)
     with clock.phase("train"):
-        log["final_step"] = train(drafter, head, seqs, t2d, args, log)
+        log["final_step"] = train(drafter, head, seqs, t2d, args, log, max(budget, 1.0))
     if log["step_s"]:
         log["mean_step_s"] = round(float(np.mean(log["step_s"][1:] or log["step_s"])), 3)
     with clock.phase("save"):
         save_checkpoint(drafter, used, args.taps, args.out)
         (args.out / "train_log.json").write_text(json.dumps(log) + "\n")   # rewritten with the evaluations
     with clock.phase("eval_chain"):
-        log["eval_chain"] = chain_acceptance(drafter, eval_seqs, used, t2d, DEPTH, args.gen_batch, args.device)
-    print("held-out chain estimate:", json.dumps(log["eval_chain"]), flush=True)
+        evaluate("eval_chain")
+    for key in ("eval_chain", "eval_chain_long"):
+        if key in log:
+            before = log[key.replace("eval_chain", "eval_chain_before")]
+            print(f"held-out chain estimate ({key}): {log[key].get('mean_acceptance_length')} "
+                  f"(before training {before.get('mean_acceptance_length')})", flush=True)
     if args.runtime_prompts:
         with clock.phase("eval_runtime"):
             log["eval_runtime"] = runtime_acceptance(args.target, args.out, eval_prompts[: args.runtime_prompts],

@@ -52,7 +52,8 @@ def trained(text_tied, tmp_path_factory):
                              "--export-dir", str(root / "export"),
                              "--prompts", "12", "--gen-tokens", "12", "--max-prompt", "48", "--eval-prompts", "3",
                              "--runtime-prompts", "1", "--max-steps", "4", "--draft-vocab", "64",
-                             "--ttt-steps", "3", "--batch", "4", "--threads", "1"])
+                             "--ttt-steps", "3", "--batch", "4", "--threads", "1",
+                             "--long-prompts", "3", "--max-context", "512", "--window", "24"])
     assert rc == 0
     return root
 
@@ -60,6 +61,7 @@ def trained(text_tied, tmp_path_factory):
 def test_trained_drafter_exports_and_speculates_losslessly(trained):
     log = json.loads((trained / "drafter" / "train_log.json").read_text())
     assert log["final_step"] == 4 and all(len(x) == 3 for x in log["loss_per_ttt_step"])
+    assert log["data"]["train_sequences"] == 12 + 3 and log["eval_chain_long"]["rounds"] > 0
     assert log["eval_runtime"]["all_lossless"]
     cfg = json.loads((trained / "drafter" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 64 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -99,6 +101,37 @@ def test_trainer_features_are_the_runtime_taps(text_tied):
         assert list(seq.ids[seq.prompt_len:]) == list(seq.argmax[seq.prompt_len - 1:-1])  # greedy continuation
 
 
+def test_long_contexts_keep_their_last_window_rows(text_tied):
+    """keep_prompt drops a long prompt's older rows only: what is kept is the tail of the full run."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (70, 20)]
+    args = (text_tied.ref, prompts, 8, 2, fixtures.ENDOFTEXT_ID, [fixtures.IM_END_ID], TAPS)
+    full, kept = eagle3_data.generate(*args), eagle3_data.generate(*args, keep_prompt=32)
+    for f, k in zip(full, kept):
+        drop = max(f.prompt_len - 32, 0)
+        assert k.prompt_len == f.prompt_len - drop and len(k.ids) == len(f.ids) - drop
+        np.testing.assert_array_equal(k.ids, f.ids[drop:])
+        np.testing.assert_array_equal(k.argmax, f.argmax[drop:])
+        np.testing.assert_allclose(k.taps, f.taps[drop:], rtol=0, atol=1e-6)
+    assert kept[0].prompt_len == 32 and kept[1].prompt_len == 20
+
+
+def test_context_prompts_are_source_stretches_half_ending_in_a_question(tmp_path):
+    docs = stdlib_corpus.documents(_corpus(tmp_path / "corpus"))
+    tok = fixtures.train_tiny_tokenizer()
+    out = eagle3_data.context_prompts(docs, tok, 40, seed=3, max_context=300, min_context=60)
+    source = np.concatenate([tok.encode(d.text).ids for d in docs if d.kind == "code"])
+    asks = [tok.encode(stdlib_corpus.chat_text(d.prompt)).ids for d in docs if d.kind != "code"]
+    n_ask = [next((len(a) for a in asks if len(a) < len(p) and p[-len(a):] == a), 0) for p in out]
+    assert 10 <= sum(n > 0 for n in n_ask) <= 30           # about half end in a chat turn
+    assert all(len(p) <= 300 for p in out) and max(len(p) for p in out) > 150
+    windows = np.lib.stride_tricks.sliding_window_view
+    for p, n in zip(out, n_ask):                            # the rest is one stretch of the source
+        body = np.asarray(p[: len(p) - n])
+        assert (windows(source, len(body)) == body).all(1).any()
+    assert out == eagle3_data.context_prompts(docs, tok, 40, seed=3, max_context=300, min_context=60)
+
+
 def _random_drafter(seed=0) -> tuple[Drafter, np.ndarray, torch.Tensor]:
     torch.manual_seed(seed)
     s = DraftShape(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=40,
@@ -136,20 +169,28 @@ def test_init_continues_from_a_saved_checkpoint(tmp_path):
         load_checkpoint(Drafter(d.shape, embed), np.sort(other), tmp_path / "ck")
 
 
-def test_ttt_unroll_matches_the_exported_drafter(tmp_path):
+@pytest.mark.parametrize("window", [None, 5])
+def test_ttt_unroll_matches_the_exported_drafter(tmp_path, window):
     """Step 0 = the runtime's observe; step k = level k+1 of a top_k=1 chain (own feature fed back,
-    attention over the stable context plus the chain so far, RoPE position t + k)."""
+    attention over the stable context plus the chain so far, RoPE position t + k). With a window,
+    the training mask reads the rows the runtime's windowed drafter reads (observed a row at a time:
+    a chunk's rows share the window start of its first)."""
     d, used, embed = _random_drafter()
+    d.midlayer.self_attn.window = window
     save_checkpoint(d, used, TAPS, tmp_path / "ck")
     export_drafter(read_drafter(tmp_path / "ck", dfx.target_config(), embed.numpy()), tmp_path / "onnx")
-    rt = Eagle3Drafter(tmp_path / "onnx")
+    rt = Eagle3Drafter(tmp_path / "onnx", window=window)
     rng = np.random.default_rng(1)
     depth = 5
     ids = rng.integers(0, 320, 24)
     taps = rng.standard_normal((24, 3 * 48)).astype(np.float32)
     for t in (0, 3, 9, 17):
         rt.reset()
-        rt.observe([int(x) for x in ids[1: t + 2]], taps[: t + 1])
+        if window:
+            for r in range(t + 1):
+                rt.observe([int(ids[r + 1])], taps[r: r + 1])
+        else:
+            rt.observe([int(x) for x in ids[1: t + 2]], taps[: t + 1])
         chain, _ = rt.propose(int(ids[t + 1]), top_k=1, depth=depth, total_tokens=depth)
         forced = np.concatenate([ids[: t + 2], chain[:-1]])       # the chain's own tokens as ground truth
         padded = np.zeros((len(forced), 3 * 48), np.float32)

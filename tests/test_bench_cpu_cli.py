@@ -148,3 +148,20 @@ def test_own_rates_pair_repeat_by_repeat_and_skip_repeats_without_plain_steps():
     got = own_paired([0.95, None, 0.90, 1.2], [0.95, 0.97, 1.0, 1.0])  # the second: no plain steps to judge by
     assert got["own_ratios"] == [1.0, 0.9, 1.2] and got["own_vs_plain"] == 1.0
     assert own_paired([None], [0.98])["own_vs_plain"] is None
+
+
+def test_ab_embedded_drafters_after_a_context_pairs_the_drafters_losslessly(tmp_path):
+    """--context runs the benchmark's context rows (no stop), --depth the chain; one JSON object."""
+    import hybrid_npu
+
+    model = str(hybrid_npu.DEFAULT_MODEL)
+    run = subprocess.run([sys.executable, str(SCRIPTS / "ab_embedded_drafters.py"), "--a", model, "--b", model,
+                          "--context", "300", "--prompts", "1", "--rounds", "1", "--new", "12", "--depth", "4",
+                          "--threads", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["mismatches"] == 0 and out["context_tokens"] == 300 and out["shape"]["depth"] == 4
+    assert out["rows"]["a_always"]["rounds"] > 0 and "own_vs_plain" in out["rows"]["b_adaptive"]
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "ab_embedded_drafters.py"), "--a", model, "--b", model,
+                          "--depth", "0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1

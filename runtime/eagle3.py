@@ -11,8 +11,8 @@ rolling the drafter back costs nothing.
 K/V buffer [nKV, capacity, hd] grows by at least 1/8 at a time. A call reads only the rows it
 may see: the last `window` stable rows (DRAFT_WINDOW) and the tree rows of the round so far.
 Why a window: reading the whole context each call made the draft grow with the context (depth-6
-chain on the embedded drafter: 3.3 ms at 1.5k tokens, 11 ms at 12k, docs/speculation.md), and
-the drafter was trained on sequences of a few hundred tokens, so it predicts from local context.
+chain on the embedded drafter: 3.3 ms at 1.5k tokens, 11 ms at 12k, docs/speculation.md), and a
+drafter predicts from local context: scripts/train_drafter.py trains with the same window.
 The target verifies every draft, so the window changes acceptance, never the output. RoPE keeps
 absolute positions: relative distances inside the window are what the drafter was trained on.
 """
@@ -34,7 +34,7 @@ from .state import grown_capacity
 OBSERVE_CHUNK = 64  # positions per observe call: bounds the [N, capacity + N] score scratch
 MIN_CAPACITY = 64
 SINGLE_THREAD_BELOW_BYTES = 64 * 2**20
-DRAFT_WINDOW = 512  # stable rows a draft query sees (the drafter's training sequences were shorter)
+DRAFT_WINDOW = 512  # stable rows a draft query sees (train_drafter.py --window trains with it)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -16,11 +16,12 @@ For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best de
 step when no depth wins. The acceptance estimate is the geometric one with censoring: a round of
 depth d that accepted A drafts saw A successes and, when A < d, one failure.
 
-A cost is kept only when the step before was of the same kind: the first plain step after rounds
-(and the first round after plain steps) runs with the other session's weights in the caches and
-costs more than in a run of its kind; kept, it made plain decoding look slower than it is and
-the policy speculated where plain was faster (measured, embedded pair after 500 tokens: 0.61x).
-So the first rounds and a refresh of t_dec are two steps, the second one measured.
+A cost is kept only when the step before was of the same kind, in the same reply: the first plain
+step after rounds (and the first round after plain steps) runs with the other session's weights in
+the caches and costs more than in a run of its kind; kept, it made plain decoding look slower than
+it is and the policy speculated where plain was faster (measured, embedded pair after 500 tokens:
+0.61x). So the first rounds and a refresh of t_dec are two steps, the second one measured. A
+reply's first step runs after its prefill: not kept either (note_context).
 
 Plain steps teach the policy nothing about acceptance, so while decoding plainly it probes: two
 rounds after `probe_every` plain steps, the interval doubling (up to `max_probe_every`) each time
@@ -117,6 +118,7 @@ class SpecPolicy:
     _fast_plain: bool = False                     # the last choose() answered plain where no round could pay
     _plain_held: tuple | None = None              # (plain run a probe could be due at, _signature()): _hold_plain
     _rounds_kept: tuple | None = None             # (fixed costs, draft level, verify graphs, _round_costs' answer)
+    _after_break: bool = False                    # the next step is a reply's first: its cost is not kept
 
     def __post_init__(self):
         if self.max_depth < 1:
@@ -340,6 +342,11 @@ class SpecPolicy:
         acceptance evidence stays: it decays round by round."""
         far = self._context is not None and abs(tokens - self._context) > max(512, self._context // 2)
         self._version += 1
+        # a reply's first step, of either kind, runs after a prefill (and whatever the machine did
+        # between replies): like the first step after a switch of kind, its cost is not kept. Kept, one
+        # such round measured slow held the median of its verify size alone, said no round could pay,
+        # and a 12-turn chat decoded plainly from its second turn on (0.95x plain; 1.20x in a rerun)
+        self._after_break = True
         if far or fresh:  # a new context or text: its guesses are asked soon (below, why)
             self.guess_interval = self.guess_every
         if far:
@@ -482,12 +489,12 @@ class SpecPolicy:
 
     def count_plain(self) -> None:
         """A plain step that was not timed (times_plain said so): the run's bookkeeping only."""
-        self._last = "plain"
+        self._last, self._after_break = "plain", False
         self._plain_run += 1
         self._spec_run = 0
 
     def record_plain(self, seconds: float) -> None:
-        if self._last == "plain":
+        if self._last == "plain" and not self._after_break:
             before = self.decode_s
             self._add(self._decode, seconds)
             if self.decode_s != before:  # rounds_can_pay's answer is kept until then: it was asked anew
@@ -540,11 +547,12 @@ class SpecPolicy:
         """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
         (verify, commit, drafter observe); verify: the graph it ran (verify_nodes' answer before the
         round; by default asked now)."""
-        if self._last == "round":
+        if self._last == "round" and not self._after_break:
             self._add(self._draft_level, draft_s / max(depth, 1))
             key = self._nodes(depth) if verify is None else verify
             self._add(self._fixed.setdefault(key, deque()), rest_s)
         self._last, self._guessed, self.guess_interval = "round", False, self.guess_every
+        self._after_break = False
         self.successes = self.keep * self.successes + min(accepted, depth)
         self.failures = self.keep * self.failures + (accepted < depth)
         self._spec_run += 1

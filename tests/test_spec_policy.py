@@ -660,3 +660,25 @@ def test_a_reply_reports_its_plain_steps_median_cost_as_the_policy_timed_them(ea
     engine.generate(prompt, 32, stop_at_eos=False, speculative=False)  # plain decoding times its steps too
     steps = engine.last_stats["plain_step_median_s"]
     assert 0 < steps and 31 * steps < time.perf_counter() - t0
+
+
+def test_a_replys_first_round_after_a_break_is_not_kept():
+    """The first step of a reply runs after its prefill (and, in a chat, whatever ran between turns):
+    one such round measured slow was kept as its verify size's only cost, said no round could pay,
+    and a 12-turn chat decoded plainly from its second turn on. Its cost is not kept; the next
+    round's is."""
+    p = SpecPolicy(6, probe_budget=0)
+    p.note_context(50)
+    dec = drive(p, 5, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    assert dec[:4] == [1, 1, 0, 0] and dec[4] > 0      # one round cost kept; the reply ends in a round
+    p.note_context(80)                   # the next reply, near: costs stay
+    d = p.choose()
+    assert d > 0
+    p.record_round(d, d, d * MS, 200 * MS)   # slow: the first round after the break
+    assert p.rounds_can_pay() and p.fixed_s == {0: 15 * MS}
+    p.record_round(d, d, d * MS, 16 * MS)    # the second of the run is kept
+    assert sorted(p._fixed[0]) == [15 * MS, 16 * MS]
+    p.note_context(90)
+    p.record_plain(50 * MS)              # a reply's first plain step: not kept either
+    p.record_plain(9 * MS)
+    assert list(p._decode) == [10 * MS, 9 * MS]

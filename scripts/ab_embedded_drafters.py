@@ -22,6 +22,7 @@ from bench_speculative import (context_prompts, held_out_prompts, machine, own_p
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
+
 def main(argv=None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--a", type=Path, required=True, help="the baseline export (with drafter/)")

@@ -279,6 +279,7 @@ def run(args) -> dict:
     else:
         init_from_target(drafter, _TextLM(text, model.lm_head), used_t)
     head = model.lm_head.weight.detach()[used_t].float()
+
     def evaluate(key):
         log[key] = chain_acceptance(drafter, eval_seqs, used, t2d, DEPTH, args.gen_batch, args.device)
         if long_eval:
@@ -287,9 +288,10 @@ def run(args) -> dict:
     budget = args.minutes * 60.0
     if args.total_minutes:   # a minute kept for saving and the held-out evaluation
         budget = min(budget, args.total_minutes * 60.0 - (time.perf_counter() - started) - 60.0)
-    log["train_budget_s"] = round(max(budget, 1.0), 1)
+    budget = max(budget, 1.0)
+    log["train_budget_s"] = round(budget, 1)
     with clock.phase("train"):
-        log["final_step"] = train(drafter, head, seqs, t2d, args, log, max(budget, 1.0))
+        log["final_step"] = train(drafter, head, seqs, t2d, args, log, budget)
     if log["step_s"]:
         log["mean_step_s"] = round(float(np.mean(log["step_s"][1:] or log["step_s"])), 3)
     with clock.phase("save"):
@@ -297,11 +299,10 @@ def run(args) -> dict:
         (args.out / "train_log.json").write_text(json.dumps(log) + "\n")   # rewritten with the evaluations
     with clock.phase("eval_chain"):
         evaluate("eval_chain")
-    for key in ("eval_chain", "eval_chain_long"):
-        if key in log:
-            before = log[key.replace("eval_chain", "eval_chain_before")]
-            print(f"held-out chain estimate ({key}): {log[key].get('mean_acceptance_length')} "
-                  f"(before training {before.get('mean_acceptance_length')})", flush=True)
+    for suffix in ("", "_long"):
+        if "eval_chain" + suffix in log:
+            print(f"held-out chain estimate{suffix}: {log['eval_chain' + suffix].get('mean_acceptance_length')} "
+                  f"(before training {log['eval_chain_before' + suffix].get('mean_acceptance_length')})", flush=True)
     if args.runtime_prompts:
         with clock.phase("eval_runtime"):
             log["eval_runtime"] = runtime_acceptance(args.target, args.out, eval_prompts[: args.runtime_prompts],

@@ -165,3 +165,22 @@ def test_ab_embedded_drafters_after_a_context_pairs_the_drafters_losslessly(tmp_
     bad = subprocess.run([sys.executable, str(SCRIPTS / "ab_embedded_drafters.py"), "--a", model, "--b", model,
                           "--depth", "0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bench_int8_kv_attention_checks_ort_int8_cache_against_its_reference(tmp_path):
+    """ORT's GroupQueryAttention over an int8 cache computes exact attention over the keys and values
+    rounded with their per-channel scales (to float rounding), writes the new row in place, and the
+    rounding costs a visible error against fp32; bad --contexts is one line, exit 2."""
+    run = _script("bench_int8_kv_attention.py", "--contexts", "40,300", "--layers", "1", "--rounds", "1",
+                  "--threads", "1", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["rows"]
+    assert [r["context"] for r in rows] == [40, 300]
+    for r in rows:
+        assert r["int8_vs_reference"] <= 1e-5 and r["new_row_written_in_place"]
+        assert 1e-4 < r["int8_vs_fp32"] < 0.1 and r["kv_bytes"]["fp32"] == 4 * r["kv_bytes"]["int8"]
+        assert r["own_fp32_ms"] > 0 and r["gqa_int8_ms"] > 0
+    for contexts in ("0", "8k", ""):
+        bad = _script("bench_int8_kv_attention.py", "--contexts", contexts, cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stdout == ""
+        assert len(bad.stderr.strip().splitlines()) == 1 and "--contexts" in bad.stderr

@@ -36,9 +36,12 @@ def partial_rope(x, cos, sin, rd: int):
 
 
 class MtpHead(nn.Module):
-    def __init__(self, cfg, embed: torch.Tensor, head: torch.Tensor):
-        """cfg: the target's hybrid_npu ModelConfig (export/checkpoint.read_checkpoint(...).config)."""
+    def __init__(self, cfg, embed: torch.Tensor, head: torch.Tensor, window: int | None = None):
+        """cfg: the target's hybrid_npu ModelConfig (export/checkpoint.read_checkpoint(...).config).
+        window: the stable rows a query reads, as the runtime's windowed drafter (runtime/mtp.py, the
+        DRAFT_WINDOW of runtime/eagle3.py); None: all of them."""
         super().__init__()
+        self.window = window
         H, I = cfg.hidden_size, cfg.intermediate_size
         nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         self.nh, self.nkv, self.hd = nh, nkv, hd
@@ -84,7 +87,8 @@ class MtpHead(nn.Module):
 
         Row t of step k pairs token ids[t+1+k] with the hidden of step k-1 (k = 0: the target's at t),
         sits at MTP position t+k and predicts ids[t+2+k]. It attends to the step-0 rows 0..t (the
-        stable K/V the runtime keeps) and to its own chain's rows of steps 1..k (the tree rows)."""
+        stable K/V the runtime keeps; with a window, the last of them the runtime reads) and to its
+        own chain's rows of steps 1..k (the tree rows)."""
         B, n, _ = hidden.shape
         T = n - 1
         layer = self.layers[0]
@@ -109,7 +113,11 @@ class MtpHead(nn.Module):
             else:
                 chain.append((kk, v))
                 own = chain
-            s0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+            seen = causal
+            if self.window:  # as the runtime reads: an observed row sees the window before it and itself
+                # (keys t - window .. t), a chained step the last `window` stable rows (t - window + 1 .. t)
+                seen = causal.triu(-self.window if k == 0 else 1 - self.window)
+            s0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
             diag = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in own]
             p = torch.softmax(torch.cat([s0, *diag], -1), -1)
             o = p[..., :T] @ v0
@@ -133,3 +141,11 @@ def save_mtp(head: MtpHead, out_dir, meta: dict) -> Path:
     tensors = {PREFIX + k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={k: str(v) for k, v in meta.items()})
     return out
+
+
+def load_mtp(head: MtpHead, src_dir) -> None:
+    """The `mtp.*` tensors save_mtp wrote into `head` (a continued run: train_mtp.py --init)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(src_dir) / "model.safetensors"))
+    head.load_state_dict({k[len(PREFIX):]: v for k, v in tensors.items() if k.startswith(PREFIX)})

@@ -286,6 +286,52 @@ def test_training_module_computes_what_the_export_runs(mtp_export):
         _close(step1[0, t].numpy(), chained["logits"][0])
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_training_unroll_is_the_runtime_drafter_with_its_window(mtp_export, window):
+    """scripts/mtp_model.py's TTT unroll against the runtime's MtpDrafter, windowed or not: step 0 at
+    row t is its observe of rows 0..t (a row at a time, as a window needs), steps 1.. the chain it
+    proposes from there; with a window, the training mask reads the rows the runtime reads (an
+    observed row the window before it and itself, a chained step the last `window` stable rows)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from mtp_model import MtpHead
+
+    from hybrid_npu.config import ModelConfig
+
+    root, _ = mtp_export
+    w, c = _weights(root / "hf")
+    cfg = ModelConfig.from_dict(json.loads((root / "out" / "model.json").read_text())["config"])
+    head = MtpHead(cfg, torch.from_numpy(w["embed_tokens.weight"]).float(),
+                   torch.from_numpy(w.get("lm_head.weight", w["embed_tokens.weight"])).float(), window=window)
+    head.load_state_dict({k[len("mtp."):]: torch.from_numpy(v).float() for k, v in w.items() if k.startswith("mtp.")})
+    rt = MtpDrafter(root / "out" / "mtp", window=window)
+    rng = np.random.default_rng(5)
+    n, depth = 20, 4
+    residuals = (2.0 * rng.standard_normal((n, c.hidden_size))).astype(np.float32)
+    ids = rng.integers(0, 300, n)
+    hidden = mtp_hidden_in_ref(w, c, residuals)
+    levels = []  # each chained level's logits, as the runtime drafts them
+    run = rt._run
+    rt._run = lambda *a, **k: (lambda out: levels.append(out["logits"][0].copy()) or out)(run(*a, **k))
+    for t in (0, 4, 9, 14):
+        rt.reset()
+        for r in range(t + 1):
+            rt.observe([int(ids[r + 1])], residuals[r: r + 1])
+        first = rt._logits.copy()
+        levels.clear()
+        chain, _ = rt.propose(int(ids[t + 1]), top_k=1, depth=depth, total_tokens=depth)
+        forced = np.concatenate([ids[: t + 2], chain[:-1]])   # the chain's own tokens as ground truth
+        padded = np.zeros((len(forced), c.hidden_size), np.float32)
+        padded[: t + 1] = hidden[: t + 1]
+        with torch.no_grad():
+            logits = head.ttt(torch.from_numpy(padded)[None], torch.from_numpy(forced)[None], depth)
+        for got, want in zip(logits, [first, *levels]):
+            _close(got[0, t].numpy(), want)
+        assert [int(lg[0, t].argmax()) for lg in logits] == chain, t
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantised_mtp_head_is_the_reference_on_its_dequantised_weights(mtp_export, tmp_path, bits):
     """A quantised target ships its MTP head quantised alike (export_mtp(quant=...)): every linear

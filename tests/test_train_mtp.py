@@ -1,0 +1,57 @@
+"""scripts/train_mtp.py end to end on the tiny fixture: short and long-context data, the windowed
+training mask, a saved head that exports and speculates losslessly, and --init continuing from it.
+(The head's unroll against the runtime's windowed drafter: tests/test_mtp_drafter.py.)"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import train_mtp  # noqa: E402
+from test_train_drafter import _corpus  # noqa: E402  (the same small corpus)
+
+ARGS = ["--prompts", "8", "--gen-tokens", "12", "--max-prompt", "48", "--eval-prompts", "3",
+        "--runtime-prompts", "1", "--ttt-steps", "2", "--batch", "4", "--threads", "1",
+        "--long-prompts", "3", "--max-context", "512", "--window", "24"]
+
+
+@pytest.fixture(scope="module")
+def trained(text_tied, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp_train")
+    corpus = _corpus(root / "corpus")
+    rc = train_mtp.main([str(text_tied.src), str(root / "head"), "--corpus-root", str(corpus), "--max-steps", "3",
+                         *ARGS])
+    assert rc == 0
+    return root, corpus
+
+
+def test_a_long_context_run_trains_evaluates_and_speculates_losslessly(trained):
+    root, _ = trained
+    log = json.loads((root / "head" / "train_log.json").read_text())
+    assert log["final_step"] == 3 and all(len(x) == 2 for x in log["loss_per_ttt_step"])
+    assert log["data"]["train_sequences"] == 8 + 3 and log["data"]["long_sequences"] == 3
+    assert log["eval_chain_long"]["rounds"] > 0 and log["eval_chain_before_long"]["rounds"] > 0
+    assert log["settings"]["window"] == 24
+    assert log["eval_runtime"]["all_lossless"] and log["eval_runtime"]["prompts"] == 1
+
+
+def test_init_continues_from_the_saved_head(trained, text_tied):
+    """A second run from the first's head starts where the first ended: its evaluation before
+    training is the first run's evaluation after it (same held-out data, same head)."""
+    root, corpus = trained
+    rc = train_mtp.main([str(text_tied.src), str(root / "again"), "--corpus-root", str(corpus), "--max-steps", "1",
+                         "--init", str(root / "head"), *ARGS])
+    assert rc == 0
+    first = json.loads((root / "head" / "train_log.json").read_text())
+    again = json.loads((root / "again" / "train_log.json").read_text())
+    for key in ("", "_long"):
+        assert again["eval_chain_before" + key] == first["eval_chain" + key]
+
+
+def test_bad_options_are_one_line_exit_2(tmp_path, text_tied, capsys):
+    for extra, words in ((["--window", "-1"], "--window"), (["--long-prompts", "2", "--max-context", "100"], "--max-context"),
+                         (["--init", str(tmp_path)], "--init")):
+        assert train_mtp.main([str(text_tied.src), str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err

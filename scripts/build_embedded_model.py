@@ -3,9 +3,14 @@ and the drafter that train_drafter.py wrote (fp16 storage, compute fp32) into
 src/hybrid_npu/models/default/, and check the 40 MB ceiling.
 
     python scripts/build_embedded_model.py TARGET_DIR DRAFTER_DIR [--mtp MTP_DIR]
+    python scripts/build_embedded_model.py TARGET_DIR --mtp MTP_DIR --mtp-only
 
 --mtp: the MTP head train_mtp.py wrote for this target (mtp.* tensors), shipped beside the EAGLE-3
 drafter in mtp/ (the EAGLE-3 drafter stays the default; hybrid_npu.load(..., drafter="mtp") picks it).
+--mtp-only: replace only the package's mtp/ (and its training record), keeping its target and
+EAGLE-3 drafter byte for byte: the int8 drafter cannot be rebuilt from the package
+(scripts/checkpoint_from_export.py gives the target back, not it). TARGET_DIR must be the target the
+package holds (its exported weights are compared), since the head was trained against it.
 
 The tiny model fits one NPU part, so no profile-specific graphs are needed: with an NPU profile
 the runtime compiles the prefill (and verify) graph for the HTP on first load.
@@ -16,10 +21,12 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import hybrid_npu
 from hybrid_npu import integrity
+from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 
 CEILING_BYTES = 40 * 2**20
@@ -43,13 +50,61 @@ DRAFT_SHAPE = {"top_k": 1, "depth": 14, "total_tokens": 14}
 DRAFTER_WEIGHTS = "int8"
 
 
-def main() -> int:
+def training_record(directory: Path) -> dict | None:
+    """A train_log.json without its per-step curves (numbers quoted in the README travel with the model)."""
+    f = directory / "train_log.json"
+    if not f.exists():
+        return None
+    return {k: v for k, v in json.loads(f.read_text()).items() if not isinstance(v, list)}
+
+
+def replace_mtp(target: Path, mtp: Path, out: Path) -> None:
+    """Export target + mtp into a scratch directory and move only its mtp/ into the package at out."""
+    manifest = json.loads((out / "model.json").read_text())
+    if "mtp" not in manifest.get("drafters", {}):
+        raise UserError(f"{out} ships no MTP head to replace: build it with TARGET_DIR DRAFTER_DIR --mtp MTP_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh_dir = Path(tmp) / "export"
+        fresh = export(target, fresh_dir, dtype="fp16", force=True, progress=print, verify=VERIFY_NODES, mtp=mtp,
+                       drafter_weights=DRAFTER_WEIGHTS)
+        weights = "graphs/weights.bin"
+        if fresh["integrity"]["files"][weights] != manifest["integrity"]["files"][weights]:
+            raise UserError(f"{target} is not the target in {out} (its exported {weights} differs): give the "
+                            "checkpoint the package was built from (scripts/checkpoint_from_export.py rebuilds it)")
+        shutil.rmtree(out / "mtp")
+        shutil.copytree(fresh_dir / "mtp", out / "mtp")
+        if manifest["drafter"]["kind"] == "mtp":  # the default drafter: the manifest describes it too
+            manifest["drafter"] = fresh["drafter"]
+    record = out / "training.json"
+    training = json.loads(record.read_text()) if record.exists() else {}
+    training["mtp"] = training_record(mtp)
+    (out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
+    manifest["integrity"] = integrity.record(out)
+    (out / "model.json").write_text(json.dumps(manifest, indent=1))
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", type=Path)
-    ap.add_argument("drafter", type=Path)
+    ap.add_argument("drafter", type=Path, nargs="?", help="the EAGLE-3 drafter train_drafter.py wrote")
     ap.add_argument("--out", type=Path, default=hybrid_npu.DEFAULT_MODEL)
     ap.add_argument("--mtp", type=Path, help="an MTP head for this target (train_mtp.py's output) to ship too")
-    args = ap.parse_args()
+    ap.add_argument("--mtp-only", action="store_true", help="replace only the package's mtp/ with --mtp's head")
+    args = ap.parse_args(argv)
+    if args.mtp_only:
+        if args.mtp is None or args.drafter is not None:
+            print("build_embedded_model.py: error: --mtp-only takes TARGET_DIR and --mtp MTP_DIR, no DRAFTER_DIR",
+                  file=sys.stderr)
+            return 2
+        try:
+            replace_mtp(args.target, args.mtp, args.out)
+        except UserError as e:
+            print(f"build_embedded_model.py: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.drafter is None:
+        print("build_embedded_model.py: error: give DRAFTER_DIR (or --mtp-only with --mtp)", file=sys.stderr)
+        return 2
     manifest = export(args.target, args.out, dtype="fp16", drafter=args.drafter, force=True, progress=print,
                       verify=VERIFY_NODES, mtp=args.mtp, drafter_weights=DRAFTER_WEIGHTS)
     manifest["drafter"]["draft_shape"] = DRAFT_SHAPE
@@ -57,12 +112,8 @@ def main() -> int:
     # training records travel with the model they describe (numbers quoted in the README)
     training = {}
     for name, d in (("target", args.target), ("drafter", args.drafter), ("mtp", args.mtp)):
-        if d is None:
-            continue
-        f = d / "train_log.json"
-        if f.exists():
-            log = json.loads(f.read_text())
-            training[name] = {k: v for k, v in log.items() if not isinstance(v, list)}  # no per-step curves
+        if d is not None and (record := training_record(d)) is not None:
+            training[name] = record
     (args.out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     manifest["integrity"] = integrity.record(args.out)  # training.json is part of the package too
     (args.out / "model.json").write_text(json.dumps(manifest, indent=1))

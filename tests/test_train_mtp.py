@@ -55,3 +55,47 @@ def test_bad_options_are_one_line_exit_2(tmp_path, text_tied, capsys):
         assert train_mtp.main([str(text_tied.src), str(tmp_path / "out"), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert words in err and "\n" not in err
+
+
+def test_build_embedded_model_mtp_only_swaps_the_head_and_keeps_the_rest(trained, text_tied, text_untied, tmp_path,
+                                                                         capsys):
+    """--mtp-only replaces the package's mtp/ and its training record and nothing else (the target's and
+    EAGLE-3 drafter's files keep their hashes); the package loads (integrity) and speculates losslessly
+    with the new head; a head offered with another target is refused in one line, the package untouched."""
+    import build_embedded_model
+
+    import hybrid_npu
+    from hybrid_npu.export.exporter import export
+
+    root, corpus = trained
+    second = tmp_path / "second"  # one more step from the first head: another head for the same target
+    assert train_mtp.main([str(text_tied.src), str(second), "--corpus-root", str(corpus), "--max-steps", "1",
+                           "--init", str(root / "head"), *ARGS]) == 0
+    pkg = tmp_path / "pkg"
+    export(text_tied.src, pkg, dtype="fp16", mtp=root / "head", drafter_weights="int8",
+           verify=build_embedded_model.VERIFY_NODES)
+    hashes = lambda: json.loads((pkg / "model.json").read_text())["integrity"]["files"]  # noqa: E731
+    before = hashes()
+    assert build_embedded_model.main([str(text_tied.src), "--mtp", str(second), "--mtp-only",
+                                      "--out", str(pkg)]) == 0
+    after = hashes()
+    changed = {f for f in after if before.get(f) != after[f]}
+    assert "mtp/mtp_weights.bin" in changed and set(before) <= set(after)
+    assert all(f.startswith("mtp/") or f == "training.json" for f in changed), changed
+    assert json.loads((pkg / "training.json").read_text())["mtp"] == build_embedded_model.training_record(second)
+
+    engine = hybrid_npu.load(pkg, threads=1, drafter="mtp")
+    engine.pipelines["verify"]  # open now, not while the first steps decode plainly
+    engine.adaptive = False  # every step a round
+    ids = [5, 17, 33, 2, 90, 41]
+    fast = engine.generate(ids, 24, speculative=True, stop_at_eos=False)
+    stats = engine.last_stats
+    assert fast == engine.generate(ids, 24, speculative=False, stop_at_eos=False)
+    assert stats["rounds"] > 0 and stats["plain_steps"] == 0, stats
+
+    capsys.readouterr()
+    assert build_embedded_model.main([str(text_untied.src), "--mtp", str(root / "head"), "--mtp-only",
+                                      "--out", str(pkg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is not the target" in err and "checkpoint_from_export" in err
+    assert hashes() == after

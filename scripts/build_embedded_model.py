@@ -24,12 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import hybrid_npu
 from hybrid_npu import integrity
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 
 CEILING_BYTES = 40 * 2**20
+SOURCE_MODEL = Path(__file__).resolve().parents[1] / "src" / "hybrid_npu" / "models" / "default"
 # The draft shape is measured with scripts/bench_speculative.py on this pair (its chat rows: 16
 # held-out prompts). A chain: this drafter's distributions are flat, so a top-4 tree's node budget
 # goes to shallow siblings (after the re-export with the sized CPU verify: the depth-6 chain 3.06x
@@ -87,7 +87,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", type=Path)
     ap.add_argument("drafter", type=Path, nargs="?", help="the EAGLE-3 drafter train_drafter.py wrote")
-    ap.add_argument("--out", type=Path, default=hybrid_npu.DEFAULT_MODEL)
+    # the source tree's package, not hybrid_npu.DEFAULT_MODEL: with a non-editable install that is the
+    # installed copy, which the next `pip install .` overwrites with the source tree's
+    ap.add_argument("--out", type=Path, default=SOURCE_MODEL)
     ap.add_argument("--mtp", type=Path, help="an MTP head for this target (train_mtp.py's output) to ship too")
     ap.add_argument("--mtp-only", action="store_true", help="replace only the package's mtp/ with --mtp's head")
     args = ap.parse_args(argv)

@@ -25,9 +25,11 @@ import tempfile
 from pathlib import Path
 
 from hybrid_npu import integrity
+from hybrid_npu.cli_common import report
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 
+PROG = "build_embedded_model.py"
 CEILING_BYTES = 40 * 2**20
 SOURCE_MODEL = Path(__file__).resolve().parents[1] / "src" / "hybrid_npu" / "models" / "default"
 # The draft shape is measured with scripts/bench_speculative.py on this pair (its chat rows: 16
@@ -58,6 +60,17 @@ def training_record(directory: Path) -> dict | None:
     return {k: v for k, v in json.loads(f.read_text()).items() if not isinstance(v, list)}
 
 
+def tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def write_records(out: Path, manifest: dict, training: dict) -> None:
+    """training.json, then the integrity record over every file (training.json among them), then model.json."""
+    (out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
+    manifest["integrity"] = integrity.record(out)
+    (out / "model.json").write_text(json.dumps(manifest, indent=1))
+
+
 def replace_mtp(target: Path, mtp: Path, out: Path) -> None:
     """Export target + mtp into a scratch directory and move only its mtp/ into the package at out."""
     manifest = json.loads((out / "model.json").read_text())
@@ -65,22 +78,46 @@ def replace_mtp(target: Path, mtp: Path, out: Path) -> None:
         raise UserError(f"{out} ships no MTP head to replace: build it with TARGET_DIR DRAFTER_DIR --mtp MTP_DIR")
     with tempfile.TemporaryDirectory() as tmp:
         fresh_dir = Path(tmp) / "export"
-        fresh = export(target, fresh_dir, dtype="fp16", force=True, progress=print, verify=VERIFY_NODES, mtp=mtp,
+        fresh = export(target, fresh_dir, dtype="fp16", progress=print, verify=VERIFY_NODES, mtp=mtp,
                        drafter_weights=DRAFTER_WEIGHTS)
         weights = "graphs/weights.bin"
         if fresh["integrity"]["files"][weights] != manifest["integrity"]["files"][weights]:
             raise UserError(f"{target} is not the target in {out} (its exported {weights} differs): give the "
                             "checkpoint the package was built from (scripts/checkpoint_from_export.py rebuilds it)")
+        size = tree_bytes(out) - tree_bytes(out / "mtp") + tree_bytes(fresh_dir / "mtp")
+        if size > CEILING_BYTES:
+            raise UserError(f"with this head the package would be {size / 2**20:.1f} MiB, over the "
+                            f"{CEILING_BYTES / 2**20:.0f} MiB ceiling; the package is left as it was")
+        # the new head beside the old one first: a failed copy leaves the package as it was
+        shutil.rmtree(out / "mtp.new", ignore_errors=True)  # (left by a copy that failed before)
+        shutil.copytree(fresh_dir / "mtp", out / "mtp.new")
         shutil.rmtree(out / "mtp")
-        shutil.copytree(fresh_dir / "mtp", out / "mtp")
+        (out / "mtp.new").rename(out / "mtp")
         if manifest["drafter"]["kind"] == "mtp":  # the default drafter: the manifest describes it too
             manifest["drafter"] = fresh["drafter"]
     record = out / "training.json"
     training = json.loads(record.read_text()) if record.exists() else {}
     training["mtp"] = training_record(mtp)
-    (out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
-    manifest["integrity"] = integrity.record(out)
-    (out / "model.json").write_text(json.dumps(manifest, indent=1))
+    write_records(out, manifest, training)
+
+
+def build(args) -> int:
+    manifest = export(args.target, args.out, dtype="fp16", drafter=args.drafter, force=True, progress=print,
+                      verify=VERIFY_NODES, mtp=args.mtp, drafter_weights=DRAFTER_WEIGHTS)
+    manifest["drafter"]["draft_shape"] = DRAFT_SHAPE
+    # training records travel with the model they describe (numbers quoted in the README)
+    training = {}
+    for name, d in (("target", args.target), ("drafter", args.drafter), ("mtp", args.mtp)):
+        if d is not None and (record := training_record(d)) is not None:
+            training[name] = record
+    write_records(args.out, manifest, training)
+    size = tree_bytes(args.out)
+    print(f"embedded model: {size / 2**20:.1f} MiB in {args.out}")
+    if size > CEILING_BYTES:
+        shutil.rmtree(args.out)
+        print(f"over the {CEILING_BYTES / 2**20:.0f} MiB ceiling; removed", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv=None) -> int:
@@ -93,39 +130,17 @@ def main(argv=None) -> int:
     ap.add_argument("--mtp", type=Path, help="an MTP head for this target (train_mtp.py's output) to ship too")
     ap.add_argument("--mtp-only", action="store_true", help="replace only the package's mtp/ with --mtp's head")
     args = ap.parse_args(argv)
-    if args.mtp_only:
-        if args.mtp is None or args.drafter is not None:
-            print("build_embedded_model.py: error: --mtp-only takes TARGET_DIR and --mtp MTP_DIR, no DRAFTER_DIR",
-                  file=sys.stderr)
-            return 2
-        try:
+    try:
+        if args.mtp_only:
+            if args.mtp is None or args.drafter is not None:
+                raise UserError("--mtp-only takes TARGET_DIR and --mtp MTP_DIR, no DRAFTER_DIR")
             replace_mtp(args.target, args.mtp, args.out)
-        except UserError as e:
-            print(f"build_embedded_model.py: error: {e}", file=sys.stderr)
-            return 2
-        return 0
-    if args.drafter is None:
-        print("build_embedded_model.py: error: give DRAFTER_DIR (or --mtp-only with --mtp)", file=sys.stderr)
-        return 2
-    manifest = export(args.target, args.out, dtype="fp16", drafter=args.drafter, force=True, progress=print,
-                      verify=VERIFY_NODES, mtp=args.mtp, drafter_weights=DRAFTER_WEIGHTS)
-    manifest["drafter"]["draft_shape"] = DRAFT_SHAPE
-    (args.out / "model.json").write_text(json.dumps(manifest, indent=1))
-    # training records travel with the model they describe (numbers quoted in the README)
-    training = {}
-    for name, d in (("target", args.target), ("drafter", args.drafter), ("mtp", args.mtp)):
-        if d is not None and (record := training_record(d)) is not None:
-            training[name] = record
-    (args.out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
-    manifest["integrity"] = integrity.record(args.out)  # training.json is part of the package too
-    (args.out / "model.json").write_text(json.dumps(manifest, indent=1))
-    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"embedded model: {size / 2**20:.1f} MiB in {args.out}")
-    if size > CEILING_BYTES:
-        shutil.rmtree(args.out)
-        print(f"over the {CEILING_BYTES / 2**20:.0f} MiB ceiling; removed", file=sys.stderr)
-        return 1
-    return 0
+            return 0
+        if args.drafter is None:
+            raise UserError("give DRAFTER_DIR (or --mtp-only with --mtp)")
+    except UserError as e:
+        return report(PROG, e)
+    return build(args)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def test_bad_options_are_one_line_exit_2(tmp_path, text_tied, capsys):
 
 
 def test_build_embedded_model_mtp_only_swaps_the_head_and_keeps_the_rest(trained, text_tied, text_untied, tmp_path,
-                                                                         capsys):
+                                                                         capsys, monkeypatch):
     """--mtp-only replaces the package's mtp/ and its training record and nothing else (the target's and
     EAGLE-3 drafter's files keep their hashes); the package loads (integrity) and speculates losslessly
     with the new head; a head offered with another target is refused in one line, the package untouched."""
@@ -99,3 +99,8 @@ def test_build_embedded_model_mtp_only_swaps_the_head_and_keeps_the_rest(trained
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "is not the target" in err and "checkpoint_from_export" in err
     assert hashes() == after
+    monkeypatch.setattr(build_embedded_model, "CEILING_BYTES", 2**20)  # a package over the ceiling: refused too
+    assert build_embedded_model.main([str(text_tied.src), "--mtp", str(root / "head"), "--mtp-only",
+                                      "--out", str(pkg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "ceiling" in err and hashes() == after and not (pkg / "mtp.new").exists()

@@ -32,7 +32,8 @@ once (a load spike) was never measured again and held plain decoding on for whol
 (measured on the embedded pair, top-4 tree: 93 rounds and 778 plain steps over 16 chat prompts,
 where speculating every step ran 2.1x plain). While speculating, a plain step after 2,
 then 4, 8, ... up to `refresh_every` rounds keeps t_dec current (soon at first: one early
-measurement is not yet to be trusted). The output never depends on these choices: a plain
+measurement is not yet to be trusted), up to `max_refresh_every` while rounds beat plain decoding by
+`wide_margin` (a stale t_dec cannot flip that decision). The output never depends on these choices: a plain
 step and a verified round both emit the target's own tokens (greedy) or its own distribution
 (sampled, each decided before the step from the past only).
 
@@ -74,6 +75,10 @@ class SpecPolicy:
     max_budget_interval: int = 1024
     refresh_every: int = 16
     refresh_steps: int = 4                # plain steps a refresh of the decode cost runs (the last is near steady)
+    wide_margin: float = 1.5              # rounds this far ahead of plain decoding refresh its cost only every
+    max_refresh_every: int = 64           # ... up to this many rounds: a decode cost off by less than the margin
+    #                                       cannot turn them into a loss, and each refresh (4 plain steps, then a
+    #                                       cold round) cost the embedded pair's chat ~2% (twentieth pass)
     margin: float = 1.0                   # speculate when its rate beats plain by this factor
     hysteresis: float = 0.2               # ... and by (1 + this) more to switch from plain decoding
     guessing: bool = False                # the drafter scores its guesses (record_guesses; set by the engine)
@@ -443,8 +448,10 @@ class SpecPolicy:
         depth = self.plan(best)
         if depth:
             self._probe_interval = self.probe_every
-            if self._spec_run >= self._refresh_interval:
-                self._refresh_interval = min(2 * self._refresh_interval, self.refresh_every)
+            wide = best[1] * self.decode_s >= self.wide_margin
+            due = self._refresh_interval if wide else min(self._refresh_interval, self.refresh_every)
+            if self._spec_run >= due:
+                self._refresh_interval = min(2 * due, self.max_refresh_every if wide else self.refresh_every)
                 self._refreshing = True
                 return 0
             return depth

@@ -43,15 +43,31 @@ def runs(decisions):
 
 def test_a_drafter_that_is_always_right_speculates_at_full_depth():
     p = SpecPolicy(6, refresh_every=16)
-    dec = drive(p, 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
+    dec = drive(p, 200, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d)
     # two rounds and two plain steps to measure both (the second of each kept), then rounds with a
-    # refresh of four plain steps (refresh_steps) after 2, 4, 8, then every 16 rounds. With no evidence
-    # the first measuring round is one draft deep (measuring_depth), and one accepted draft is not yet
-    # evidence for more.
+    # refresh of four plain steps (refresh_steps) after 2, 4, 8, 16, 32, then every 64 rounds (rounds
+    # 3.3x faster than plain: max_refresh_every, below). With no evidence the first measuring round is
+    # one draft deep (measuring_depth), and one accepted draft is not yet evidence for more.
     assert dec[:2] == [1, 1] and set(dec[2:]) == {0, 6}
-    assert runs(dec)[:11] == [("r", 2), ("p", 2), ("r", 2), ("p", 4), ("r", 4), ("p", 4), ("r", 8), ("p", 4),
-                              ("r", 16), ("p", 4), ("r", 16)]
-    assert drive(SpecPolicy(6, refresh_every=16), 80, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d) == dec
+    assert runs(dec)[:13] == [("r", 2), ("p", 2), ("r", 2), ("p", 4), ("r", 4), ("p", 4), ("r", 8), ("p", 4),
+                              ("r", 16), ("p", 4), ("r", 32), ("p", 4), ("r", 64)]
+    assert drive(SpecPolicy(6, refresh_every=16), 200, 10 * MS, 1 * MS, 15 * MS, lambda d, k: d) == dec
+
+
+def test_rounds_far_ahead_of_plain_refresh_the_decode_cost_less_often():
+    """A refresh is four plain steps and a cold round after them: on the embedded pair's chat, where
+    rounds ran ~2x plain, they made the default policy 6-9% slower than a round every step (twentieth
+    pass). While the best round beats plain decoding by wide_margin (1.5x), a decode cost off by
+    less cannot turn rounds into a loss, so the interval doubles on to max_refresh_every (64); nearer
+    plain it stops at refresh_every (16), also when a faster decode step narrows the margin later."""
+    def round_runs(fixed_s, decode_s=10 * MS):
+        dec = drive(SpecPolicy(6, refresh_every=16), 300, decode_s, 1 * MS, fixed_s, lambda d, k: d)
+        return [n for kind, n in runs(dec)[2:] if kind == "r"]
+    assert round_runs(40 * MS)[:6] == [2, 4, 8, 16, 32, 64]  # 7 tokens for 46 ms against 70: 1.52x
+    assert round_runs(48 * MS)[:8] == [2, 4, 8, 16, 16, 16, 16, 16]  # 54 ms: 1.30x
+    # 35 ms a round: 2.0x while a plain step costs 10 ms; from the 15th plain step on it costs 6.5 (1.3x)
+    narrowed = round_runs(29 * MS, lambda k: 10 * MS if k < 14 else 6.5 * MS)
+    assert narrowed[:4] == [2, 4, 8, 16] and set(narrowed[4:-1]) == {16}
 
 
 def test_a_drafter_that_is_never_right_falls_back_and_probes_less_and_less():

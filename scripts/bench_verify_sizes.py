@@ -12,10 +12,11 @@ E(d) = (1 - a^(d+1)) / (1 - a) tokens per round and costs verify(size holding d 
 d x draft; speed-up = max over d of E(d) / (round cost / decode step). The draft cost per level
 is an assumption (--draft-fraction of a decode step; an EAGLE-3 drafter is one layer and a head).
 
---drafter-weights float,int8,int4: also measure what a draft level costs (one drafter call after
+--drafter-weights float,int8,int4,int4-head4: also measure what a draft level costs (one drafter call after
 512 observed positions, the mean of a depth-6 chain's five) for a random EAGLE-3 drafter shaped
 for the target (one layer mirroring its attention and MLP, --draft-vocab ids, the embedding the
-target's), exported at each weights mode (int: the target's QuantSpec); the modelled speed-ups
+target's), exported at each weights mode (int: the target's QuantSpec; -headN: its head at N bits instead of
+the target's head bits); the modelled speed-ups
 are then also given with that measured draft cost in place of --draft-fraction.
 
 --mtp-vocabs full,32768: also measure a draft level of a random MTP head (the released one-layer
@@ -77,7 +78,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-fraction", type=float, default=0.1)
-    ap.add_argument("--drafter-weights", default="", help="e.g. float,int8,int4 (default: none)")
+    ap.add_argument("--drafter-weights", default="", help="e.g. float,int8,int4,int4-head4 (default: none)")
     ap.add_argument("--draft-vocab", type=int, default=32768)
     ap.add_argument("--mtp-vocabs", default="", help="e.g. full,32768: random MTP heads, whole or trimmed")
     ap.add_argument("--out", type=Path)
@@ -166,8 +167,10 @@ def open_drafter(engine, src: Path, args, mode: str):
     target = read_checkpoint(src)
     ck = read_drafter(ck_dir, engine.config, lambda: target.load("embed_tokens.weight"))
     q = engine.manifest["weights"]
-    quant = None if mode == "float" else QuantSpec(bits=int(mode[3:]), block_size=q.get("block_size", 32),
-                                                   symmetric=q.get("symmetric", True), head_bits=q.get("head_bits", 8))
+    bits, _, head = mode.partition("-head")  # int4-head4: the drafter's head at 4 bits too (default: the target's)
+    quant = None if mode == "float" else QuantSpec(bits=int(bits[3:]), block_size=q.get("block_size", 32),
+                                                   symmetric=q.get("symmetric", True),
+                                                   head_bits=int(head) if head else q.get("head_bits", 8))
     out = args.workdir / f"drafter-{args.model}-v{args.draft_vocab}-{mode}"
     manifest = export_drafter(ck, out, "fp32", quant)
     d = Eagle3Drafter(out, threads=args.threads)

@@ -9,7 +9,10 @@ alternating rounds so drift hits all of them alike:
 - `matmul_only`: the MatMulNBits nodes alone (scripts/matmul_ceiling.py's graph: decode.onnx's
   for one token, prefill.onnx's for a chunk, whose head has one row as the engine's has).
 If full ≈ rest + matmul_only the two parts do not slow each other down, and the gap to the
-ceiling is `rest`. `--ablate` adds variants of `rest` with more op types replaced by pass-throughs
+ceiling is `rest`. A decode step also times
+- `static_decode`: the export's decode.onnx, the same one-token cores without cpu.onnx's per-layer
+  Ifs (which let one session serve prefill chunks and decode steps with one prepacked copy of the
+  weights): full − static_decode is what those Ifs cost. `--ablate` adds variants of `rest` with more op types replaced by pass-throughs
 (groups separated by ';', op types by ','), to see what inside `rest` costs what. The numbers in
 those are wrong on purpose; only the time is read. A pass-through that becomes a graph output is a
 copy where the kernel wrote in place, so ablation deltas are approximate (within ~0.1 ms here).
@@ -124,6 +127,10 @@ def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]],
     calls = 25 if tokens == 1 else 5  # a chunk call is ~20x a decode step
     graphs = export_dir / "graphs"
     arms = {"full": lambda: pipe.sessions[0].run(names, feed)}
+    if tokens == 1:  # the same cores without the Ifs (its own session: a second copy of the prepacked weights)
+        static = cpu_session(graphs / "decode.onnx", engine.manifest, threads)
+        static_feed = {i.name: feed[i.name] for i in static.get_inputs()}
+        arms["static_decode"] = lambda: static.run(names, static_feed)
     for ops in [set()] + groups:
         # beside weights.bin (ORT resolves external data next to the graph), gone once loaded
         fd, name = tempfile.mkstemp(suffix=".onnx", prefix="decode_gap_", dir=graphs)
@@ -150,7 +157,8 @@ def measure(export_dir: Path, threads: int, rounds: int, groups: list[set[str]],
             "tokens": tokens,
             "best_median_ms": best, "median_ms_per_round": per_round,
             "full_minus_parts_ms": round(best["full"] - best["rest"] - best["matmul_only"], 3),
-            "fraction_of_matmul_only_rate": round(best["matmul_only"] / best["full"], 3)}
+            "fraction_of_matmul_only_rate": round(best["matmul_only"] / best["full"], 3),
+            **({"ifs_share_of_full": round(1 - best["static_decode"] / best["full"], 3)} if tokens == 1 else {})}
 
 
 def main(argv=None) -> int:

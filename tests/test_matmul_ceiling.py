@@ -122,6 +122,32 @@ def test_decode_gap_rest_graph_reads_no_weight_matmul(exports):
         decode_gap.check_groups([{"Gemm"}])
 
 
+def test_decode_gap_static_decode_arm_is_the_decode_step_without_ifs(exports):
+    """A decode step's split also times decode.onnx (the one-token cores, no per-layer If): it
+    answers the engine's decode feed with cpu.onnx's outputs, names and values."""
+    import decode_gap
+
+    import hybrid_npu
+    from hybrid_npu.runtime.pipeline import cpu_session
+    from hybrid_npu.runtime.step_inputs import chain_feed
+
+    export_dir = exports / "int4"
+    static = onnx.load(str(export_dir / "graphs" / "decode.onnx"), load_external_data=False)
+    assert not any(n.op_type == "If" for n in static.graph.node)
+    engine = hybrid_npu.load(export_dir, threads=1)
+    engine.prefill_logits([1, 2, 3])
+    pipe = engine.pipelines["decode"]
+    feed = {k: v for k, v in chain_feed(engine.config, engine.state, [4], 1).items() if k in pipe._inputs[0]}
+    want = pipe.sessions[0].run(pipe._outputs[0], feed)
+    session = cpu_session(export_dir / "graphs" / "decode.onnx", engine.manifest, 1)
+    got = session.run(pipe._outputs[0], {i.name: feed[i.name] for i in session.get_inputs()})
+    for name, a, b in zip(pipe._outputs[0], want, got):
+        np.testing.assert_allclose(b.reshape(a.shape), a, rtol=0, atol=1e-5, err_msg=name)
+    result = decode_gap.measure(export_dir, threads=1, rounds=1, groups=[], tokens=1)
+    assert set(result["best_median_ms"]) == {"full", "rest", "matmul_only", "static_decode"}
+    assert -1 < result["ifs_share_of_full"] < 1
+
+
 def test_decode_gap_splits_a_prefill_chunk_and_refuses_other_token_counts(exports):
     """--tokens CHUNK: the rest graph answers the engine's chunk feed at the full graph's shapes, the
     three arms time the chunk (the MatMulNBits alone at CHUNK rows, from prefill.onnx), and a token

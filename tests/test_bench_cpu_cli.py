@@ -184,3 +184,13 @@ def test_bench_int8_kv_attention_checks_ort_int8_cache_against_its_reference(tmp
         bad = _script("bench_int8_kv_attention.py", "--contexts", contexts, cwd=tmp_path)
         assert bad.returncode == 2 and bad.stdout == ""
         assert len(bad.stderr.strip().splitlines()) == 1 and "--contexts" in bad.stderr
+
+
+def test_ab_spec_policy_takes_policy_fields_and_refuses_others_in_one_line(tmp_path):
+    from ab_spec_policy import settings
+
+    assert settings("max_refresh_every=16,wide_margin=1.25") == {"max_refresh_every": 16, "wide_margin": 1.25}
+    for bad in ("nope=3", "max_refresh_every=x", "wide_margin", "_decode=1"):
+        run = _script("ab_spec_policy.py", "--a", bad, "--b", "max_refresh_every=64", cwd=tmp_path)
+        assert run.returncode == 2 and run.stdout == "", bad
+        assert len(run.stderr.strip().splitlines()) == 1 and bad.split("=")[0] in run.stderr

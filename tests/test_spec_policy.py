@@ -68,6 +68,12 @@ def test_rounds_far_ahead_of_plain_refresh_the_decode_cost_less_often():
     # 35 ms a round: 2.0x while a plain step costs 10 ms; from the 15th plain step on it costs 6.5 (1.3x)
     narrowed = round_runs(29 * MS, lambda k: 10 * MS if k < 14 else 6.5 * MS)
     assert narrowed[:4] == [2, 4, 8, 16] and set(narrowed[4:-1]) == {16}
+    # judged by what the rounds emitted: every round of 6 stops at its last draft (6 tokens for 30 ms,
+    # 2.0x plain), where the censored geometric estimate (5 of 6 a round: a = 0.83) reads 1.44x
+    p = SpecPolicy(6, refresh_every=16)
+    dec = drive(p, 400, 10 * MS, 1 * MS, 24 * MS, lambda d, k: d - 1 if k >= 2 else d)
+    assert p.best_depth()[1] * p.decode_s < 1.5 < p._round_tokens / p._round_seconds * p.decode_s
+    assert [n for kind, n in runs(dec)[2:] if kind == "r"][:6] == [2, 4, 8, 16, 32, 64]
 
 
 def test_a_drafter_that_is_never_right_falls_back_and_probes_less_and_less():

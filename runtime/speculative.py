@@ -139,7 +139,7 @@ def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list
     idx = np.array(path)
     for i, layer in state.gdn.items():
         commit = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"])
-        layer.recurrent = commit_state_ref(layer.recurrent, commit, path).astype(np.float32)
+        layer.recurrent = commit_state_ref(layer.recurrent, commit, path).astype(np.float32, copy=False)
         window = np.concatenate([layer.conv, out[f"pre_conv.{i}"][idx].T], axis=1)
         layer.conv = np.ascontiguousarray(window[:, -(k - 1):])
     pos = state.position

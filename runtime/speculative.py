@@ -134,14 +134,24 @@ def accept_sampled(logits: np.ndarray, tree: Tree, n_real: int, temperature: flo
         node = accepted
 
 
+def conv_window(conv: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """The conv state [C, K-1] after the path's last inputs `rows` [<= K-1, C] (oldest first): the
+    columns still in the window, then those rows. Filled in place (a concatenate and a contiguous
+    copy took ~95 of a layer's ~160 us at the 0.8B's 6,144 channels)."""
+    keep = k - 1 - len(rows)
+    window = np.empty((conv.shape[0], k - 1), conv.dtype)
+    window[:, :keep] = conv[:, k - 1 - keep:]
+    window[:, keep:] = rows.T
+    return window
+
+
 def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list[int], k: int) -> None:
     """Advance the state by the tokens of `path` (root first) from the verify outputs."""
     idx = np.array(path)
     for i, layer in state.gdn.items():
         commit = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"])
         layer.recurrent = commit_state_ref(layer.recurrent, commit, path).astype(np.float32, copy=False)
-        window = np.concatenate([layer.conv, out[f"pre_conv.{i}"][idx].T], axis=1)
-        layer.conv = np.ascontiguousarray(window[:, -(k - 1):])
+        layer.conv = conv_window(layer.conv, out[f"pre_conv.{i}"][idx[-(k - 1):]], k)
     pos = state.position
     state.ensure_capacity(pos + len(path))
     for i, layer in state.attention.items():

@@ -241,3 +241,20 @@ def test_the_verify_session_opens_only_when_speculating(text_tied):
     engine.drafter = RandomDrafter(320)
     engine.generate(PROMPT, 8, stop_at_eos=False)
     assert "verify" in engine.pipelines and engine.last_stats["rounds"] > 0
+
+
+def test_conv_window_is_the_last_k_minus_1_inputs_after_a_path():
+    """commit_path's conv state: the window [C, K-1] that the state and the path's inputs end with,
+    for paths shorter and longer than the window (the definition: concatenate, keep the last K-1)."""
+    from hybrid_npu.runtime.speculative import conv_window
+
+    rng = np.random.default_rng(0)
+    k, c = 4, 10
+    conv = rng.standard_normal((c, k - 1)).astype(np.float32)
+    pre = rng.standard_normal((6, c)).astype(np.float32)
+    for length in range(1, 7):
+        path = np.arange(length)
+        want = np.concatenate([conv, pre[path].T], axis=1)[:, -(k - 1):]
+        got = conv_window(conv, pre[path[-(k - 1):]], k)
+        np.testing.assert_array_equal(got, want)
+        assert got.flags.c_contiguous

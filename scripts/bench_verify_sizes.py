@@ -2,6 +2,11 @@
 weights), through the CPU verify graph sized to the draft (graphs/cpu_verify.onnx); then the
 modelled speed-up of chain speculation for drafters of acceptance rate a.
 
+Each verify is followed by the host's commit of its whole path (runtime/speculative.commit_path: the
+recurrent states along the path, the conv windows, the K/V rows), timed apart: "commit_ms", and
+"modelled_with_commit" charges a round verify + commit (what a round costs the engine, besides
+the drafter's observe), beside "modelled" (the graph alone, as the earlier passes gave it).
+
 k = 1 is the decode step itself (a round that drafts nothing is a plain step); the other k are
 the graph's core sizes up to 16 (2-8 and 16 in an export whose verify takes any count; 2, 4, 8, 16
 before), chain trees of k nodes at the same context. Decode steps and verify calls alternate, repeat by
@@ -85,7 +90,7 @@ def main() -> int:
     args = ap.parse_args()
     import hybrid_npu
     from hybrid_npu.export.exporter import export
-    from hybrid_npu.runtime.speculative import Tree, tree_feed
+    from hybrid_npu.runtime.speculative import Tree, commit_path, tree_feed
     from hybrid_npu.runtime.step_inputs import chain_feed
 
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -115,6 +120,8 @@ def main() -> int:
         engine.prefill_logits([int(t) for t in rng.integers(0, cfg.vocab_size, max(context, 1))])
         verify.run(tree_feed(cfg, engine.state, trees[sizes[0]]))  # opens and warms the session
         best = {m: 1e9 for m in [1] + sizes}
+        commit = {m: 1e9 for m in sizes}
+        engine.state.ensure_capacity(engine.state.position + max(sizes))  # no K/V growth inside the timing
         for d in drafters.values():  # 512 positions of context (its window), then the rows it drafts from
             d.reset()
             d.observe([int(t) for t in rng.integers(0, cfg.vocab_size, 512)],
@@ -127,8 +134,9 @@ def main() -> int:
             best[1] = min(best[1], clock() - t)
             for m in sizes:
                 t = clock()
-                verify.run(tree_feed(cfg, engine.state, trees[m]))
+                out = verify.run(tree_feed(cfg, engine.state, trees[m]))
                 best[m] = min(best[m], clock() - t)
+                commit[m] = min(commit[m], timed_commit(engine.state, out, trees[m], cfg, commit_path, clock))
             for mode, d in drafters.items():
                 t = clock()
                 d._propose_chain(6)  # five drafter calls (the first level is the observe's logits)
@@ -138,21 +146,44 @@ def main() -> int:
                 engine.pipelines["decode"].run(chain_feed(cfg, engine.state, [5], 1))
         decode = best[1]
         costs = {m: best[m] for m in sizes}
+        with_commit = {m: best[m] + commit[m] for m in sizes}
         row = {"context": context, "ms": {str(k): round(1e3 * v, 2) for k, v in best.items()},
                "over_decode": {str(k): round(v / decode, 2) for k, v in best.items()},
+               "commit_ms": {str(k): round(1e3 * v, 2) for k, v in commit.items()},
+               "commit_over_decode": {str(k): round(v / decode, 3) for k, v in commit.items()},
                "modelled": {"draft_fraction_of_decode": args.draft_fraction,
                             **{f"a={a}": modelled_speedup(costs, decode, a, args.draft_fraction)
-                               for a in (0.6, 0.7, 0.8)}}}
+                               for a in (0.6, 0.7, 0.8)}},
+               "modelled_with_commit": {f"a={a}": modelled_speedup(with_commit, decode, a, args.draft_fraction)
+                                        for a in (0.6, 0.7, 0.8)}}
         for mode, d in drafters.items():
             frac = level[mode] / decode
             row.setdefault("drafters", {})[mode] = {
                 "draft_vocab": len(d.draft_to_target), "weights_bytes": d.weights_bytes,
                 "draft_level_ms": round(1e3 * level[mode], 2), "draft_level_over_decode": round(frac, 3),
-                "modelled": {f"a={a}": modelled_speedup(costs, decode, a, frac) for a in (0.6, 0.7, 0.8)}}
+                "modelled": {f"a={a}": modelled_speedup(costs, decode, a, frac) for a in (0.6, 0.7, 0.8)},
+                "modelled_with_commit": {f"a={a}": modelled_speedup(with_commit, decode, a, frac)
+                                         for a in (0.6, 0.7, 0.8)}}
         result["contexts"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     bench_json.emit(result, args.out)
     return 0
+
+
+def timed_commit(state, out: dict, tree, cfg, commit_path, clock) -> float:
+    """Seconds the host takes to commit the whole of `tree`'s path from the verify outputs `out`; the
+    state is put back as it was (its position, tokens, recurrent and conv arrays; the K/V rows written
+    past the position are never read)."""
+    position, tokens = state.position, len(state.tokens)
+    layers = {i: (layer.recurrent, layer.conv) for i, layer in state.gdn.items()}
+    t = clock()
+    commit_path(state, out, tree, list(range(len(tree.tokens))), cfg.linear_conv_kernel_dim)
+    seconds = clock() - t
+    state.position = position
+    del state.tokens[tokens:]
+    for i, (recurrent, conv) in layers.items():
+        state.gdn[i].recurrent, state.gdn[i].conv = recurrent, conv
+    return seconds
 
 
 def open_drafter(engine, src: Path, args, mode: str):

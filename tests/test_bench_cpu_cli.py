@@ -194,3 +194,30 @@ def test_ab_spec_policy_takes_policy_fields_and_refuses_others_in_one_line(tmp_p
         run = _script("ab_spec_policy.py", "--a", bad, "--b", "max_refresh_every=64", cwd=tmp_path)
         assert run.returncode == 2 and run.stdout == "", bad
         assert len(run.stderr.strip().splitlines()) == 1 and bad.split("=")[0] in run.stderr
+
+
+def test_bench_verify_sizes_times_a_commit_and_puts_the_state_back():
+    """The real-size cost model charges the host's commit of a verified path (bench_verify_sizes
+    "modelled_with_commit"): timed on the engine's own state, which is left as it was."""
+    import copy
+    import time
+
+    import numpy as np
+    from bench_verify_sizes import timed_commit
+
+    import hybrid_npu
+    from hybrid_npu.runtime.speculative import Tree, commit_path, tree_feed
+
+    engine = hybrid_npu.load(hybrid_npu.DEFAULT_MODEL, threads=1)
+    engine.prefill_logits([1, 2, 3, 4])
+    before = copy.deepcopy(engine.state)
+    tree = Tree([5, 6, 7], [-1, 0, 1])
+    out = engine.pipelines["verify"].run(tree_feed(engine.config, engine.state, tree))
+    moved = copy.deepcopy(engine.state)
+    commit_path(moved, out, tree, [0, 1, 2], engine.config.linear_conv_kernel_dim)
+    assert moved.position == before.position + 3  # what is timed does commit the path
+    assert timed_commit(engine.state, out, tree, engine.config, commit_path, time.perf_counter) > 0
+    assert engine.state.position == before.position and engine.state.tokens == before.tokens
+    for i, layer in engine.state.gdn.items():
+        np.testing.assert_array_equal(layer.recurrent, before.gdn[i].recurrent)
+        np.testing.assert_array_equal(layer.conv, before.gdn[i].conv)

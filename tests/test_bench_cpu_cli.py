@@ -194,6 +194,10 @@ def test_ab_spec_policy_takes_policy_fields_and_refuses_others_in_one_line(tmp_p
         run = _script("ab_spec_policy.py", "--a", bad, "--b", "max_refresh_every=64", cwd=tmp_path)
         assert run.returncode == 2 and run.stdout == "", bad
         assert len(run.stderr.strip().splitlines()) == 1 and bad.split("=")[0] in run.stderr
+    run = _script("ab_spec_policy.py", "--a", "max_refresh_every=16", "--b", "max_refresh_every=64",
+                  "--context", "-1", cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == "" and "--context" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
 
 
 def test_bench_verify_sizes_times_a_commit_and_puts_the_state_back():

@@ -45,11 +45,11 @@ def settings(text: str) -> dict:
     return out
 
 
-def engine_with(overrides: dict, threads: int):
+def engine_with(overrides: dict, threads: int, drafter: str | None = None):
     import hybrid_npu
     from hybrid_npu.runtime.spec_policy import SpecPolicy
 
-    engine = hybrid_npu.load(hybrid_npu.DEFAULT_MODEL, threads=threads)
+    engine = hybrid_npu.load(hybrid_npu.DEFAULT_MODEL, threads=threads, drafter=drafter)
     engine.make_policy = lambda e: SpecPolicy(e.draft_shape["depth"], verify_nodes=e.verify_graph,
                                               verify_graphs=e.verify_graphs, **overrides)
     return engine
@@ -64,6 +64,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=128, help="new tokens a chat reply (96 after a --context)")
     ap.add_argument("--context", type=int, default=0, help="replies after this many tokens of source (0: chat)")
     ap.add_argument("--context-prompts", type=int, default=4)
+    ap.add_argument("--drafter", choices=("eagle3", "mtp"), help="the package's drafter to run (default: its default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
@@ -76,7 +77,7 @@ def main() -> int:
         print("ab_spec_policy.py: error: give --context >= 0 and --context-prompts >= 1", file=sys.stderr)
         return 2
     prompts = held_out_prompts(args.prompts)
-    engines = {name: engine_with(o, args.threads) for name, o in arms.items()}
+    engines = {name: engine_with(o, args.threads, args.drafter) for name, o in arms.items()}
     long_context = args.context > 0
     if long_context:
         prompts = context_prompts(engines["a"].tokenizer, prompts, [args.context], args.context_prompts)[args.context]
@@ -96,7 +97,7 @@ def main() -> int:
             rates[mode].append(row["decode_tokens_per_s"])
             rows[mode].append(row)
     result = {"machine": cpu_model(), "threads": args.threads, "prompts": len(prompts), "repeats": args.repeats,
-              "context": args.context,
+              "context": args.context, "drafter": args.drafter or "the package's default",
               "arms": {"a": args.a, "b": args.b, "always": "a round every step", "plain": "no speculation"},
               "rows": {m: {"best_tokens_per_s": max(rates[m]), **paired(rates[m], rates["plain"]),
                            "rounds": [x.get("rounds") for x in rows[m]],

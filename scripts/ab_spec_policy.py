@@ -32,7 +32,7 @@ def settings(text: str) -> dict:
 
     from hybrid_npu.runtime.spec_policy import SpecPolicy
 
-    known = {f.name: f.type for f in fields(SpecPolicy) if not f.name.startswith("_")}
+    known = {f.name for f in fields(SpecPolicy) if not f.name.startswith("_")}
     out = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")

@@ -90,7 +90,7 @@ def main() -> int:
     args = ap.parse_args()
     import hybrid_npu
     from hybrid_npu.export.exporter import export
-    from hybrid_npu.runtime.speculative import Tree, commit_path, tree_feed
+    from hybrid_npu.runtime.speculative import Tree, tree_feed
     from hybrid_npu.runtime.step_inputs import chain_feed
 
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -136,7 +136,7 @@ def main() -> int:
                 t = clock()
                 out = verify.run(tree_feed(cfg, engine.state, trees[m]))
                 best[m] = min(best[m], clock() - t)
-                commit[m] = min(commit[m], timed_commit(engine.state, out, trees[m], cfg, commit_path, clock))
+                commit[m] = min(commit[m], timed_commit(engine.state, out, trees[m], cfg.linear_conv_kernel_dim, clock))
             for mode, d in drafters.items():
                 t = clock()
                 d._propose_chain(6)  # five drafter calls (the first level is the observe's logits)
@@ -170,19 +170,18 @@ def main() -> int:
     return 0
 
 
-def timed_commit(state, out: dict, tree, cfg, commit_path, clock) -> float:
+def timed_commit(state, out: dict, tree, k: int, clock) -> float:
     """Seconds the host takes to commit the whole of `tree`'s path from the verify outputs `out`; the
-    state is put back as it was (its position, tokens, recurrent and conv arrays; the K/V rows written
-    past the position are never read)."""
-    position, tokens = state.position, len(state.tokens)
-    layers = {i: (layer.recurrent, layer.conv) for i, layer in state.gdn.items()}
+    state is then put back as it was by a turn checkpoint (the K/V rows written past its position are
+    never read)."""
+    from hybrid_npu.runtime.checkpoints import Checkpoint
+    from hybrid_npu.runtime.speculative import commit_path
+
+    saved = Checkpoint.take(state)
     t = clock()
-    commit_path(state, out, tree, list(range(len(tree.tokens))), cfg.linear_conv_kernel_dim)
+    commit_path(state, out, tree, list(range(len(tree.tokens))), k)
     seconds = clock() - t
-    state.position = position
-    del state.tokens[tokens:]
-    for i, (recurrent, conv) in layers.items():
-        state.gdn[i].recurrent, state.gdn[i].conv = recurrent, conv
+    saved.restore(state)
     return seconds
 
 

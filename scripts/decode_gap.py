@@ -12,8 +12,9 @@ If full ≈ rest + matmul_only the two parts do not slow each other down, and th
 ceiling is `rest`. A decode step also times
 - `static_decode`: the export's decode.onnx, the same one-token cores without cpu.onnx's per-layer
   Ifs (which let one session serve prefill chunks and decode steps with one prepacked copy of the
-  weights): full − static_decode is what those Ifs cost. `--ablate` adds variants of `rest` with more op types replaced by pass-throughs
-(groups separated by ';', op types by ','), to see what inside `rest` costs what. The numbers in
+  weights): full − static_decode is what those Ifs cost.
+`--ablate` adds variants of `rest` with more op types replaced by pass-throughs (groups separated
+by ';', op types by ','), to see what inside `rest` costs what. The numbers in
 those are wrong on purpose; only the time is read. A pass-through that becomes a graph output is a
 copy where the kernel wrote in place, so ablation deltas are approximate (within ~0.1 ms here).
 Quantised exports only (MatMulNBits). Prints one JSON object.

@@ -220,7 +220,7 @@ def test_bench_verify_sizes_times_a_commit_and_puts_the_state_back():
     moved = copy.deepcopy(engine.state)
     commit_path(moved, out, tree, [0, 1, 2], engine.config.linear_conv_kernel_dim)
     assert moved.position == before.position + 3  # what is timed does commit the path
-    assert timed_commit(engine.state, out, tree, engine.config, commit_path, time.perf_counter) > 0
+    assert timed_commit(engine.state, out, tree, engine.config.linear_conv_kernel_dim, time.perf_counter) > 0
     assert engine.state.position == before.position and engine.state.tokens == before.tokens
     for i, layer in engine.state.gdn.items():
         np.testing.assert_array_equal(layer.recurrent, before.gdn[i].recurrent)

@@ -56,7 +56,7 @@ def test_a_drafter_that_is_always_right_speculates_at_full_depth():
 
 def test_rounds_far_ahead_of_plain_refresh_the_decode_cost_less_often():
     """A refresh is four plain steps and a cold round after them: on the embedded pair's chat, where
-    rounds ran ~2x plain, they made the default policy 6-9% slower than a round every step (twentieth
+    rounds ran ~2x plain, they made the default policy 2-20% slower than a round every step (twentieth
     pass). While the best round beats plain decoding by wide_margin (1.5x), a decode cost off by
     less cannot turn rounds into a loss, so the interval doubles on to max_refresh_every (64); nearer
     plain it stops at refresh_every (16), also when a faster decode step narrows the margin later."""

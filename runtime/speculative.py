@@ -149,8 +149,11 @@ def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list
     """Advance the state by the tokens of `path` (root first) from the verify outputs."""
     idx = np.array(path)
     for i, layer in state.gdn.items():
-        commit = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"])
-        layer.recurrent = commit_state_ref(layer.recurrent, commit, path).astype(np.float32, copy=False)
+        commit, S = (out[f"commit_k.{i}"], out[f"commit_u.{i}"], out[f"commit_g.{i}"]), layer.recurrent
+        if S.dtype == np.float32 and S.flags.writeable and S.flags.c_contiguous:
+            commit_state_ref(S, commit, path, out=S)  # in place: the state owns its arrays (a Checkpoint copies)
+        else:
+            layer.recurrent = commit_state_ref(S, commit, path).astype(np.float32)
         layer.conv = conv_window(layer.conv, out[f"pre_conv.{i}"][idx[-(k - 1):]], k)
     pos = state.position
     state.ensure_capacity(pos + len(path))

@@ -258,3 +258,42 @@ def test_conv_window_is_the_last_k_minus_1_inputs_after_a_path():
         got = conv_window(conv, pre[path[-(k - 1):]], k)
         np.testing.assert_array_equal(got, want)
         assert got.flags.c_contiguous
+
+
+def test_commit_path_writes_the_state_in_place_and_leaves_a_checkpoint_alone():
+    """commit_path updates each GDN state in its own array (no fresh 1 MiB arrays a layer at 0.8B) to
+    the value commit_state_ref gives in new arrays (the tests above hold that against the recurrence);
+    a checkpoint taken before keeps the old state; a read-only state array is replaced, not written."""
+    from hybrid_npu.kernels.delta_rule import commit_state_ref
+    from hybrid_npu.runtime.checkpoints import Checkpoint
+    from hybrid_npu.runtime.speculative import Tree, commit_path
+    from hybrid_npu.runtime.state import GDNLayerState, State
+
+    rng = np.random.default_rng(1)
+    n, hv, dk, dv, c, k = 4, 3, 5, 6, 7, 4
+    gdn = {i: GDNLayerState(rng.standard_normal((c, k - 1)).astype(np.float32),
+                            rng.standard_normal((hv, dk, dv)).astype(np.float32)) for i in (0, 2)}
+    state = State(gdn, {}, position=9, tokens=list(range(9)))
+    gdn[2].recurrent.flags.writeable = False
+    out = {}
+    for i in gdn:
+        out.update({f"commit_k.{i}": rng.standard_normal((n, hv, dk)).astype(np.float32),
+                    f"commit_u.{i}": rng.standard_normal((n, hv, dv)).astype(np.float32),
+                    f"commit_g.{i}": -np.abs(rng.standard_normal((n, hv))).cumsum(0).astype(np.float32),
+                    f"pre_conv.{i}": rng.standard_normal((n, c)).astype(np.float32)})
+    tree = Tree([5, 6, 7, 8], [-1, 0, 1, 1])
+    path = [0, 1, 3]
+    before = Checkpoint.take(state)
+    arrays = {i: layer.recurrent for i, layer in gdn.items()}
+    want = {i: commit_state_ref(before.recurrent[i], (out[f"commit_k.{i}"], out[f"commit_u.{i}"],
+                                                      out[f"commit_g.{i}"]), path) for i in gdn}
+    commit_path(state, out, tree, path, k)
+    assert gdn[0].recurrent is arrays[0] and gdn[2].recurrent is not arrays[2]
+    for i in gdn:
+        np.testing.assert_allclose(gdn[i].recurrent, want[i], rtol=1e-6, atol=1e-6)
+        assert gdn[i].recurrent.dtype == np.float32
+    np.testing.assert_array_equal(arrays[2], before.recurrent[2])  # the read-only array untouched
+    assert not np.allclose(before.recurrent[0], gdn[0].recurrent)  # the checkpoint kept its own copy
+    assert state.position == 12 and state.tokens[-3:] == [5, 6, 8]
+    before.restore(state)
+    np.testing.assert_array_equal(gdn[0].recurrent, before.recurrent[0])

@@ -63,7 +63,8 @@ class PlainOps:
         """y [n, 2·Hk·Dk + Hv·Dv] (the conv's q|k|v) -> (o [n, Hv, Dv], S_after, tree commit tensors)."""
         g, (hk, hv, dk, dv) = self.g, dims
         q, kk, v = g.split(y, [hk * dk, hk * dk, hv * dv], axis=-1)
-        q, kk, v = g.reshape(q, [n, hk, dk]), g.reshape(kk, [n, hk, dk]), g.reshape(v, [n, hv, dv])
+        rows = -1 if n is None else n  # None: any count (the CPU verify's small trees)
+        q, kk, v = g.reshape(q, [rows, hk, dk]), g.reshape(kk, [rows, hk, dk]), g.reshape(v, [rows, hv, dv])
         mask, mask_t, strict = masks
         return emit_gated_delta(g, q, kk, v, gate, beta, S, mask, mask_t, strict, n=n, hk=hk, hv=hv, dk=dk, dv=dv,
                                 chain_state=not tree, state_unit=unit, fp16_guards=self.fp16_guards)

@@ -36,6 +36,7 @@ from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.kernels.attention import MASKED, emit_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select
+from hybrid_npu.kernels.delta_rule import SOLVE_BLOCK
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.rope import emit_partial_rope
 
@@ -53,7 +54,8 @@ class Kind(Enum):
     #                                the N-specific cores under If and the weight matmuls outside, so one
     #                                session prepacks the weights once
     VERIFY = "verify"              # a token tree of n nodes: every node's logits, taps and commit tensors
-    SIZED_VERIFY = "sized_verify"  # the CPU's verify graph: a tree of any 2..n nodes per call; each of
+    SIZED_VERIFY = "sized_verify"  # the CPU's verify graph: a tree of any 2..n nodes per call; the sizes up
+    #                                to ANY_COUNT_MAX share one core built for any count, each larger one of
     #                                tree_sizes has its cores under If, and a count between two sizes is
     #                                padded up to the larger inside them (the weight matmuls run on the real rows)
 
@@ -66,6 +68,8 @@ class Traits:
     ops: str     # the op set on the CPU (graph_ops.OP_SETS); an NPU part takes "npu"
     whole: bool  # the whole model only, never a layer range
 
+
+ANY_COUNT_MAX = SOLVE_BLOCK  # the CPU verify's one core for any count takes 2 .. this many nodes
 
 KINDS = {
     Kind.PREFILL: Traits(tree=False, rows="static", ops="plain", whole=False),
@@ -160,7 +164,8 @@ class _Builder:
     def per_call(self, core, token_axes: tuple[int, ...] = ()) -> list[str]:
         """core(m) -> output names for m new tokens, for the token counts a call may bring: n (static),
         1 or n under If (any), one of the tree sizes or, padded up to the smallest that holds it, any
-        count up to n (sizes); the case by self._by_count. A padded case's core pads its per-token
+        count up to n (sizes; m None: the one core for any count up to ANY_COUNT_MAX, its shapes the
+        call's); the case by self._by_count. A padded case's core pads its per-token
         inputs (self.pad_rows) and its outputs are cut back to the call's rows (token_axes)."""
         g = self.g
         if self.traits.rows == "static":
@@ -215,6 +220,12 @@ class _Builder:
             for m in sorted(self.spec.tree_sizes):
                 self.cases.append(((below + 1, m), m, m > below + 1))
                 below = m
+            # the exact sizes up to ANY_COUNT_MAX share one core built for any count (m None): each If
+            # level a call passes costs every layer a subgraph frame (0.8B int4, 24 layers: the three
+            # levels to a 2-4 node core were 2.3-2.8 ms of a 32-44 ms verify; twenty-first pass)
+            small = [case for case in self.cases if case[1] <= ANY_COUNT_MAX and not case[2]]
+            if len(small) > 1 and small == self.cases[:len(small)]:
+                self.cases[:len(small)] = [((small[0][0][0], small[-1][0][1]), None, False)]
         # every split's condition once a call, in the main graph (each layer's Ifs read them); any: count == 1
         test = "Equal" if self.traits.rows == "any" else "LessOrEqual"
         self.count_at_most = {most: self.g.op(test, self.count, self.g.ints([most])) for (_, most), _, _ in self.cases[:-1]}
@@ -370,7 +381,7 @@ class _Builder:
         valid, masks, tree_select = self.gdn_rows(n)
         y, new_conv = self.ops.short_conv(qkv, conv_state, conv_w, n=n, k=c.linear_conv_kernel_dim,
                                           state_select=self.state_select, tree_select=tree_select)
-        if valid is not None and n > 1:  # a padded token neither decays nor writes the state
+        if valid is not None and (n is None or n > 1):  # a padded token neither decays nor writes the state
             beta, decay = self.g.op("Mul", beta, valid), self.g.op("Mul", decay, valid)
         o, S_after, commit = self.ops.delta_rule(y, decay, beta, S, n=n, dims=dims, masks=masks,
                                                  tree=self.traits.tree, unit=unit)
@@ -395,14 +406,15 @@ class _Builder:
         """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""
         c, g = self.cfg, self.g
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q, gate = g.split(g.reshape(qg, [n, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (docs/qwen35-model.md trap 2)
+        rows = -1 if n is None else n  # None: any count (_count_cases)
+        q, gate = g.split(g.reshape(qg, [rows, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (docs/qwen35-model.md trap 2)
         cos, sin, mask = self.attention_rows(n)
         q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), cos, sin, hd, c.rotary_dim)
-        k = emit_partial_rope(g, self.norm1p(g.reshape(k, [n, nkv, hd]), a + "k_norm.weight", hd),
+        k = emit_partial_rope(g, self.norm1p(g.reshape(k, [rows, nkv, hd]), a + "k_norm.weight", hd),
                               cos, sin, hd, c.rotary_dim)
-        new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [n, nkv, hd]), [1, 0, 2])
+        new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [rows, nkv, hd]), [1, 0, 2])
         attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd)
-        gated = g.op("Mul", g.reshape(attn, [n, nh * hd]), g.op("Sigmoid", g.reshape(gate, [n, nh * hd])))
+        gated = g.op("Mul", g.reshape(attn, [rows, nh * hd]), g.op("Sigmoid", g.reshape(gate, [rows, nh * hd])))
         return gated, new_k, new_v
 
     def head(self, x: str) -> None:

@@ -49,21 +49,29 @@ def emit_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_values_t: s
     T×hd values, and MLAS repacks the whole value operand of such a GEMM on every call; as
     Vᵀ·Pᵀ the values are the product's rows, read once as they lie."""
     group = nh // nkv
-    qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, group * n, hd])  # heads of one KV group together
+    any_n = n is None  # any count up to VALUE_ROWS_MAX_N (the CPU verify's small trees): shapes from the call
+    qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, -1 if any_n else group * n, hd])  # heads of one KV group together
     qh = g.op("Mul", qh, g.const(1.0 / math.sqrt(hd)))
     scores = g.op("Concat", g.matmul(qh, g.transpose(past_keys, [0, 2, 1])),
                   g.matmul(qh, g.transpose(new_keys, [0, 2, 1])), axis=-1)
-    scores = g.op("Add", g.reshape(scores, [nkv, group, n, -1]), mask)
-    probs = g.reshape(g.op("Softmax", scores, axis=-1), [nkv, group * n, -1])
+    if any_n:
+        by_head = g.op("Concat", g.ints([nkv, group, -1]), g.op("Shape", scores, start=2, end=3), axis=0)
+        scores, flat = g.op("Add", g.op("Reshape", scores, by_head), mask), g.op("Shape", scores)
+        probs = g.op("Reshape", g.op("Softmax", scores, axis=-1), flat)
+        split = g.op("Shape", past_keys, start=1, end=2)  # the new rows' probabilities start after the past's
+    else:
+        scores = g.op("Add", g.reshape(scores, [nkv, group, n, -1]), mask)
+        probs = g.reshape(g.op("Softmax", scores, axis=-1), [nkv, group * n, -1])
+        split = g.ints([-n])
     big = np.iinfo(np.int64).max
-    p_past = g.op("Slice", probs, g.ints([0]), g.ints([-n]), g.ints([2]))
-    p_new = g.op("Slice", probs, g.ints([-n]), g.ints([big]), g.ints([2]))
-    if n <= VALUE_ROWS_MAX_N:
+    p_past = g.op("Slice", probs, g.ints([0]), split, g.ints([2]))
+    p_new = g.op("Slice", probs, split, g.ints([big]), g.ints([2]))
+    if any_n or n <= VALUE_ROWS_MAX_N:
         from_past = g.transpose(g.matmul(past_values_t, g.transpose(p_past, [0, 2, 1])), [0, 2, 1])
     else:
         from_past = g.matmul(p_past, g.transpose(past_values_t, [0, 2, 1]))
     out = g.op("Add", from_past, g.matmul(p_new, new_values))
-    return g.transpose(g.reshape(out, [nh, n, hd]), [1, 0, 2])
+    return g.transpose(g.reshape(out, [nh, -1 if any_n else n, hd]), [1, 0, 2])
 
 
 def emit_dynamic_gqa(g: GraphBuilder, q: str, past_k: str, past_v: str, new_k: str, new_v: str, mask: str,

@@ -111,19 +111,33 @@ def _emit_l2n_fused(g: GraphBuilder, x: str, d: int, scale: float = 1.0) -> str:
                 epsilon=L2_EPS / d)
 
 
-def _emit_repeat_heads(g: GraphBuilder, x: str, n: int, hk: int, r: int, d: int) -> str:
+def _emit_repeat_heads(g: GraphBuilder, x: str, n: int | None, hk: int, r: int, d: int) -> str:
+    """n None: any token count (Expand broadcasts the token axis)."""
     if r == 1:
         return x
-    x4 = g.reshape(x, [n, hk, 1, d])
-    return g.reshape(g.op("Expand", x4, g.ints([n, hk, r, d])), [n, hk * r, d])
+    rows = -1 if n is None else n
+    x4 = g.reshape(x, [rows, hk, 1, d])
+    return g.reshape(g.op("Expand", x4, g.ints([1 if n is None else n, hk, r, d])), [rows, hk * r, d])
 
 
-def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int, dv: int, block: int = 8) -> str:
+SOLVE_BLOCK = 8  # the masked solve's diagonal blocks; a core for any count takes up to this many rows
+
+
+def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int | None, dv: int, block: int = SOLVE_BLOCK,
+                          eye: str | None = None) -> str:
     """U = (I + A)⁻¹ R for A [H, n, n] strictly lower-triangular, R [H, n, dv].
 
     Diagonal b×b blocks are inverted at once (batched) by the exact product (I-N)(I+N²)(I+N⁴),
     which stays bounded inside a block; the blocks are then merged by forward substitution.
+    n None: any count up to `block`, one block as it comes (N^block = 0 for any such n, so the same
+    product is exact), with `eye` the [n, n] identity of the call.
     """
+    if n is None:
+        inv, power = g.op("Sub", eye, A), g.op("Neg", A)
+        for _ in range(int(math.log2(block)) - 1):
+            power = g.matmul(power, power)
+            inv = g.matmul(inv, g.op("Add", eye, power))
+        return g.matmul(inv, R)
     if n == 1:
         return R
     b = min(block, 1 << (n - 1).bit_length())
@@ -205,14 +219,14 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     K_t = g.transpose(K, [0, 2, 1])
     b3 = g.unsqueeze(bT, [2])
     R = g.op("Mul", b3, g.op("Sub", V, g.op("Mul", eG, g.matmul(K, S))))
-    if n > 1:
+    if n is None or n > 1:
         A = g.op("Mul", b3, g.op("Mul", g.matmul(K, K_t), g.op("Mul", D, strict_mask)))
-        U = emit_unit_lower_solve(g, A, R, hv, n, dv)
+        U = emit_unit_lower_solve(g, A, R, hv, n, dv, eye=None if n is not None else g.op("EyeLike", mask))
     else:
         U = R
     O = unscale(g.op("Add", g.op("Mul", eG, g.matmul(Q, S)), g.matmul(g.op("Mul", g.matmul(Q, K_t), D), U)))
     S_after = None
-    if chain_state:
+    if chain_state:  # chains have a static count
         G_last = g.slice(G, n - 1, n, axis=1)  # [Hv, 1]
         w = g.unsqueeze(g.safe_exp(g.op("Sub", G_last, G)), [2])  # [Hv, N, 1]
         decayed = g.op("Mul", g.unsqueeze(g.safe_exp(G_last), [2]), S)

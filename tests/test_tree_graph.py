@@ -52,8 +52,8 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
 
 
 def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_tied):
-    """The export's CPU verify graph (cores per tree size under If): trees of a core's size (2-8, the
-    full size), of a count between two sizes (9: padded up to the next inside the graph) and trees
+    """The export's CPU verify graph (one core for any 2-8 nodes, under a single If per layer; padded
+    cores for the larger sizes under further Ifs): trees of a core's size (2-8, the full size), of a count between two sizes (9: padded up to the next inside the graph) and trees
     the host pads (older exports' way) give transformers' logits on every real node's path, and the
     commit tensors rebuild its recurrent state. The reference runs in float64: our graphs are fp32 end to end
     (prefill through ORT's LinearAttention, verify through the masked form), and fp32 rounding alone
@@ -62,6 +62,10 @@ def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_
     engine = hybrid_npu.load(text_tied.out)
     sizes = engine.manifest["graphs"]["cpu_verify"]["sizes"]
     assert sizes[:7] == list(range(2, 9)) and sizes[-1] == engine.manifest["graphs"]["verify"]["n"] > 9
+    graph = onnx.load(str(engine.path / engine.manifest["graphs"]["cpu_verify"]["file"]), load_external_data=False)
+    for node in (n for n in graph.graph.node if n.op_type == "If"):  # a 2-8 node call passes one If a layer
+        small = next(a.g for a in node.attribute if a.name == "then_branch")
+        assert not any(n.op_type == "If" for n in small.node) and len(small.node) > 20
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 300, 11)]
     cfg = engine.config
     rng = np.random.default_rng(2)

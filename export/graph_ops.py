@@ -59,15 +59,16 @@ class PlainOps:
         return S_after
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
-                   unit: str | None):
-        """y [n, 2·Hk·Dk + Hv·Dv] (the conv's q|k|v) -> (o [n, Hv, Dv], S_after, tree commit tensors)."""
+                   unit: str | None, eye: str | None = None):
+        """y [n, 2·Hk·Dk + Hv·Dv] (the conv's q|k|v) -> (o [n, Hv, Dv], S_after, tree commit tensors).
+        eye: the call's [n, n] identity where n is None (any count)."""
         g, (hk, hv, dk, dv) = self.g, dims
         q, kk, v = g.split(y, [hk * dk, hk * dk, hv * dv], axis=-1)
         rows = -1 if n is None else n  # None: any count (the CPU verify's small trees)
         q, kk, v = g.reshape(q, [rows, hk, dk]), g.reshape(kk, [rows, hk, dk]), g.reshape(v, [rows, hv, dv])
         mask, mask_t, strict = masks
         return emit_gated_delta(g, q, kk, v, gate, beta, S, mask, mask_t, strict, n=n, hk=hk, hv=hv, dk=dk, dv=dv,
-                                chain_state=not tree, state_unit=unit, fp16_guards=self.fp16_guards)
+                                chain_state=not tree, state_unit=unit, fp16_guards=self.fp16_guards, eye=eye)
 
 
 class NpuOps(PlainOps):
@@ -106,7 +107,7 @@ class CpuOps(PlainOps):
         return emit_short_conv_cpu(self.g, x, state, w_kc, state_select, k)
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
-                   unit: str | None):
+                   unit: str | None, eye: str | None = None):
         """-> (o [n, Hv·Dv], S_after [1, Hv, Dk, Dv], None): ORT's LinearAttention, one token or a chunk."""
         g, (hk, hv, dk, dv) = self.g, dims
         qk, v = g.split(y, [2 * hk * dk, hv * dv], axis=-1)

@@ -241,7 +241,10 @@ class _Builder:
         """(validity, ancestor masks, conv tree selections) as a GDN core of m rows reads them."""
         p = self.pad_rows
         masks = self.masks and tuple(p(p(t, m, 0, 2), m, 1, 2) if t else t for t in self.masks)
-        select = self.tree_select and p(p(self.tree_select, m, 1, 3), m, 2, 3)
+        if isinstance(self.tree_select, list):  # the taps' selections [N, K-1+N], picked in the main graph
+            select = [p(p(t, m, 0, 2), m, 1, 2) for t in self.tree_select]
+        else:
+            select = self.tree_select and p(p(self.tree_select, m, 1, 3), m, 2, 3)
         return self.valid and p(self.valid, m, 0, 2), masks, select
 
     def attention_rows(self, m: int) -> tuple:
@@ -306,16 +309,20 @@ class _Builder:
         c, g, n = self.cfg, self.g, self.n
         k = c.linear_conv_kernel_dim
         self.state_select = self.tree_select = None
-        self.masks = None
+        self.masks = self.eye = None
         if self.traits.tree:
             m = g.input("tree_mask", np.float32, [self.rows, self.rows])
             if self.traits.rows == "sizes":  # the diagonal of whatever size the call brings
-                strict = g.op("Sub", m, g.op("Mul", m, g.op("EyeLike", m)))
+                self.eye = g.op("EyeLike", m)
+                strict = g.op("Sub", m, g.op("Mul", m, self.eye))
             else:
                 strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
             self.masks = (m, g.transpose(m, [1, 0]), strict)
             self.tree_select = g.input("conv_tree_select", np.float32, [k - 1, n, k - 1 + n]
                                        if self.traits.rows == "static" else [k - 1, "n", "k_minus_1_plus_n"])
+            if self.traits.rows == "sizes":  # each tap's selection once a call, not once a layer under its Ifs
+                self.tree_select = [g.op("Gather", self.tree_select, g.const(np.int64(s), np.int64), axis=0)
+                                    for s in range(k - 1)]
             return
         if not self.ops.chain_only:
             causal = np.tril(np.ones((n, n), dtype=np.float32))
@@ -342,6 +349,8 @@ class _Builder:
         conv_state = g.input(f"conv_state.{i}", np.float32, [c.conv_dim, k - 1])
         S = g.input(f"recurrent_state.{i}", np.float32, [hv, dk, dv])
         conv_w = self.w(self.plan.conv_weight(a + "conv1d.weight", c.conv_dim, k))
+        if self.traits.rows == "sizes":  # the taps' rows sliced outside the Ifs, where ORT folds them
+            conv_w = [g.slice(conv_w, j, j + 1, axis=0) for j in range(k)]
         beta = g.op("Sigmoid", b)
         # g = -exp(A_log) * softplus(a + dt_bias)
         a_in = g.op("Add", a_in, self.w(self.plan.vector(a + "dt_bias", hv)))
@@ -384,7 +393,7 @@ class _Builder:
         if valid is not None and (n is None or n > 1):  # a padded token neither decays nor writes the state
             beta, decay = self.g.op("Mul", beta, valid), self.g.op("Mul", decay, valid)
         o, S_after, commit = self.ops.delta_rule(y, decay, beta, S, n=n, dims=dims, masks=masks,
-                                                 tree=self.traits.tree, unit=unit)
+                                                 tree=self.traits.tree, unit=unit, eye=self.eye if n is None else None)
         return o, new_conv, S_after, commit
 
     def attention(self, h: str, i: int) -> str:

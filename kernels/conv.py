@@ -78,15 +78,19 @@ def emit_short_conv(g: GraphBuilder, x: str, state: str, w_kc: str, n: int, k: i
 
     state_select [K-1, K-1+N] picks the new state (None: N == 1, a constant shift);
     tree_select [K-1, N, K-1+N] switches to the tree form (no state output: the host commits).
+    Either may come split already (a graph that runs this under Ifs picks them once, outside):
+    w_kc as its K rows [1, C], tree_select as its K-1 selections [N, K-1+N].
     """
     X = g.op("Concat", g.transpose(state, [1, 0]), x, axis=0)  # [K-1+N, C]
-    w_rows = [g.slice(w_kc, j, j + 1, axis=0) for j in range(k)]  # each [1, C]
+    w_rows = w_kc if isinstance(w_kc, list) else [g.slice(w_kc, j, j + 1, axis=0) for j in range(k)]  # each [1, C]
     if tree_select is None:
         terms = [g.op("Mul", g.slice(X, j, j + n, axis=0), w_rows[j]) for j in range(k)]
     else:
         terms = [g.op("Mul", x, w_rows[k - 1])]
         for s in range(1, k):
-            picked = g.matmul(g.op("Gather", tree_select, g.const(np.int64(s - 1), np.int64), axis=0), X)
+            pick = tree_select[s - 1] if isinstance(tree_select, list) else \
+                g.op("Gather", tree_select, g.const(np.int64(s - 1), np.int64), axis=0)
+            picked = g.matmul(pick, X)
             terms.append(g.op("Mul", picked, w_rows[k - 1 - s]))
     y = terms[0]
     for t in terms[1:]:

@@ -173,7 +173,8 @@ def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int | 
 
 def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: str, S: str,
                      mask: str, mask_t: str, strict_mask: str, *, n: int, hk: int, hv: int, dk: int, dv: int,
-                     chain_state: bool, state_unit: str | None = None, fp16_guards: bool = True):
+                     chain_state: bool, state_unit: str | None = None, fp16_guards: bool = True,
+                     eye: str | None = None):
     """Returns (o [N, Hv, Dv], S_after of the last token or None, commit (k̂, u, G) token-major).
 
     mask / mask_t / strict_mask [N, N]: M, Mᵀ and M without its diagonal (constants for a chain,
@@ -183,6 +184,8 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     fp16's 65,504 never exists inside the HTP; the readout's norm takes the unit into its eps).
     fp16_guards=False (an fp32 CPU graph): no σ scaling, and the l2 norms as RMSNormalization
     (l2n(x) = RMSNorm(x; ε/D)·D^-1/2, as emit_gated_delta_cpu): ~25 fewer nodes a layer, same maths.
+    n None: any count up to SOLVE_BLOCK, the shapes the call's; eye its [N, N] identity (default:
+    EyeLike of the mask, here).
     """
     r = hv // hk
     if fp16_guards:
@@ -221,7 +224,7 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     R = g.op("Mul", b3, g.op("Sub", V, g.op("Mul", eG, g.matmul(K, S))))
     if n is None or n > 1:
         A = g.op("Mul", b3, g.op("Mul", g.matmul(K, K_t), g.op("Mul", D, strict_mask)))
-        U = emit_unit_lower_solve(g, A, R, hv, n, dv, eye=None if n is not None else g.op("EyeLike", mask))
+        U = emit_unit_lower_solve(g, A, R, hv, n, dv, eye=None if n is not None else eye or g.op("EyeLike", mask))
     else:
         U = R
     O = unscale(g.op("Add", g.op("Mul", eG, g.matmul(Q, S)), g.matmul(g.op("Mul", g.matmul(Q, K_t), D), U)))

@@ -133,6 +133,8 @@ def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int | 
     product is exact), with `eye` the [n, n] identity of the call.
     """
     if n is None:
+        if eye is None:
+            raise ValueError("a solve for any count needs the call's identity (eye)")
         inv, power = g.op("Sub", eye, A), g.op("Neg", A)
         for _ in range(int(math.log2(block)) - 1):
             power = g.matmul(power, power)
@@ -184,8 +186,8 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     fp16's 65,504 never exists inside the HTP; the readout's norm takes the unit into its eps).
     fp16_guards=False (an fp32 CPU graph): no σ scaling, and the l2 norms as RMSNormalization
     (l2n(x) = RMSNorm(x; ε/D)·D^-1/2, as emit_gated_delta_cpu): ~25 fewer nodes a layer, same maths.
-    n None: any count up to SOLVE_BLOCK, the shapes the call's; eye its [N, N] identity (default:
-    EyeLike of the mask, here).
+    n None: any count up to SOLVE_BLOCK, the shapes the call's; eye its [N, N] identity (made once a
+    call by the caller, outside any If).
     """
     r = hv // hk
     if fp16_guards:
@@ -224,7 +226,7 @@ def emit_gated_delta(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: s
     R = g.op("Mul", b3, g.op("Sub", V, g.op("Mul", eG, g.matmul(K, S))))
     if n is None or n > 1:
         A = g.op("Mul", b3, g.op("Mul", g.matmul(K, K_t), g.op("Mul", D, strict_mask)))
-        U = emit_unit_lower_solve(g, A, R, hv, n, dv, eye=None if n is not None else eye or g.op("EyeLike", mask))
+        U = emit_unit_lower_solve(g, A, R, hv, n, dv, eye=eye)
     else:
         U = R
     O = unscale(g.op("Add", g.op("Mul", eG, g.matmul(Q, S)), g.matmul(g.op("Mul", g.matmul(Q, K_t), D), U)))

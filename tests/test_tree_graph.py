@@ -53,9 +53,10 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
 
 def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_tied):
     """The export's CPU verify graph (one core for any 2-8 nodes, under a single If per layer; padded
-    cores for the larger sizes under further Ifs): trees of a core's size (2-8, the full size), of a count between two sizes (9: padded up to the next inside the graph) and trees
-    the host pads (older exports' way) give transformers' logits on every real node's path, and the
-    commit tensors rebuild its recurrent state. The reference runs in float64: our graphs are fp32 end to end
+    cores for the larger sizes under further Ifs): trees of a core's size (2-8, the full size), of a
+    count between two sizes (9: padded up to the next inside the graph) and trees the host pads
+    (older exports' way) give transformers' logits on every real node's path, and the commit tensors
+    rebuild its recurrent state. The reference runs in float64: our graphs are fp32 end to end
     (prefill through ORT's LinearAttention, verify through the masked form), and fp32 rounding alone
     moves these logits (|logit| ~ 7) by up to ~2e-4 on some paths (transformers' own fp32 run: 1.9e-4)."""
     ref64 = copy.deepcopy(text_tied.ref).double()

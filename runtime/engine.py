@@ -31,7 +31,7 @@ from .qnn import NpuUnavailable
 from .generation import CPU_DEVICE, catch_up_drafter, stream
 from .sampling import Sampler, check_sampling, model_defaults
 from .spec_policy import SpecPolicy
-from .speculative import default_draft_shape
+from .speculative import COMMIT_BESIDE_MIN_BYTES, default_draft_shape
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
@@ -269,6 +269,15 @@ class Engine:
 
     def verify_nodes(self, depth: int) -> int:
         return self.verify_graph(depth)[1]
+
+    def commit_worker(self) -> ThreadPoolExecutor | None:
+        """The thread a speculative round commits on while the drafter observes (None where the GDN
+        states are too small for that to pay: runtime/speculative.commit_beside)."""
+        if sum(layer.recurrent.nbytes for layer in self.state.gdn.values()) < COMMIT_BESIDE_MIN_BYTES:
+            return None
+        if getattr(self, "_commit_worker", None) is None:  # its thread ends when the engine is collected
+            self._commit_worker = ThreadPoolExecutor(1, thread_name_prefix="commit")
+        return self._commit_worker
 
     def _taps(self, out: dict[str, np.ndarray], rows) -> np.ndarray:
         """The drafter's feature of the given token rows, its taps concatenated in its order (EAGLE-3:

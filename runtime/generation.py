@@ -20,7 +20,7 @@ from hybrid_npu.errors import UserError
 from .npu_sessions import NPU_DEVICE
 from .sampling import Sampler, check_sampling
 from .spec_policy import SpecPolicy
-from .speculative import Tree, accept_greedy, accept_sampled, commit_path, tree_feed
+from .speculative import Tree, accept_greedy, accept_sampled, commit_beside, tree_feed
 
 CPU_DEVICE = "CPU"
 
@@ -216,8 +216,8 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
         emitted = emitted if cut is None else emitted[: cut + 1]
     emitted = emitted[:room]
     path = path[: len(emitted)]  # the root and the drafts before the last emitted token
-    commit_path(state, out, tree, path, engine.config.linear_conv_kernel_dim)
-    engine.drafter.observe(emitted, engine._taps(out, np.array(path)))
+    commit_beside(engine.commit_worker(), state, out, tree, path, engine.config.linear_conv_kernel_dim,
+                  lambda: engine.drafter.observe(emitted, engine._taps(out, np.array(path))))
     t2 = time.perf_counter()
     if policy is not None:  # what the target accepted, before any cut (room, end of sequence)
         policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1, verify)

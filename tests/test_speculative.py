@@ -297,3 +297,87 @@ def test_commit_path_writes_the_state_in_place_and_leaves_a_checkpoint_alone():
     assert state.position == 12 and state.tokens[-3:] == [5, 6, 8]
     before.restore(state)
     np.testing.assert_array_equal(gdn[0].recurrent, before.recurrent[0])
+
+
+def _random_round(seed: int, with_attention: bool = True):
+    """A state with two GDN layers (and an attention layer) and a verify's outputs for a 4-node tree."""
+    from hybrid_npu.runtime.speculative import Tree
+    from hybrid_npu.runtime.state import AttentionLayerState, GDNLayerState, State
+
+    rng = np.random.default_rng(seed)
+    n, hv, dk, dv, c, k, kv, hd = 4, 3, 5, 6, 7, 4, 2, 8
+    gdn = {i: GDNLayerState(rng.standard_normal((c, k - 1)).astype(np.float32),
+                            rng.standard_normal((hv, dk, dv)).astype(np.float32)) for i in (0, 2)}
+    attention = {1: AttentionLayerState(np.zeros((kv, 16, hd), np.float32), np.zeros((kv, hd, 16), np.float32))}
+    state = State(gdn, attention if with_attention else {}, position=9, tokens=list(range(9)))
+    out = {}
+    for i in gdn:
+        out.update({f"commit_k.{i}": rng.standard_normal((n, hv, dk)).astype(np.float32),
+                    f"commit_u.{i}": rng.standard_normal((n, hv, dv)).astype(np.float32),
+                    f"commit_g.{i}": -np.abs(rng.standard_normal((n, hv))).cumsum(0).astype(np.float32),
+                    f"pre_conv.{i}": rng.standard_normal((n, c)).astype(np.float32)})
+    out.update({"new_key.1": rng.standard_normal((kv, n, hd)).astype(np.float32),
+                "new_value.1": rng.standard_normal((kv, n, hd)).astype(np.float32)})
+    return state, out, Tree([5, 6, 7, 8], [-1, 0, 1, 1]), [0, 1, 3], k
+
+
+def _same_state(a, b):
+    assert a.position == b.position and a.tokens == b.tokens
+    for i in a.gdn:
+        np.testing.assert_array_equal(a.gdn[i].recurrent, b.gdn[i].recurrent)
+        np.testing.assert_array_equal(a.gdn[i].conv, b.gdn[i].conv)
+    for i in a.attention:
+        np.testing.assert_array_equal(a.attention[i].key, b.attention[i].key)
+        np.testing.assert_array_equal(a.attention[i].value, b.attention[i].value)
+
+
+def test_a_commit_beside_the_drafter_leaves_the_state_commit_path_leaves():
+    """commit_beside on a worker thread: the state after it is bit for bit commit_path's, the work
+    ran on the calling thread, and it returns only once the commit is done; an error in the work
+    still leaves the whole commit done, and an error in the commit reaches the caller."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from hybrid_npu.runtime.speculative import commit_beside, commit_path
+
+    worker = ThreadPoolExecutor(1)
+    want, out, tree, path, k = _random_round(3)
+    commit_path(want, out, tree, path, k)
+    state = _random_round(3)[0]
+    ran = []
+    commit_beside(worker, state, out, tree, path, k, lambda: ran.append(threading.current_thread()))
+    assert ran == [threading.main_thread()]
+    _same_state(state, want)
+
+    state = _random_round(3)[0]
+    def failing():
+        raise RuntimeError("drafter failed")
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        commit_beside(worker, state, out, tree, path, k, failing)
+    _same_state(state, want)
+
+    state = _random_round(3)[0]
+    broken = dict(out)
+    del broken["commit_u.2"]
+    ran.clear()
+    with pytest.raises(KeyError):
+        commit_beside(worker, state, broken, tree, path, k, lambda: ran.append(1))
+    assert ran == [1]
+    state = _random_round(3)[0]
+    commit_beside(None, state, out, tree, path, k, lambda: ran.append(2))  # no worker: one after the other
+    assert ran == [1, 2]
+    _same_state(state, want)
+    worker.shutdown()
+
+
+def test_rounds_committing_on_a_worker_thread_speculate_to_the_plain_output(text_tied, plain_greedy, monkeypatch):
+    """The tiny model's states are below the size where a round commits beside the drafter; with
+    that bound at 0 every round does, and greedy output is still the plain output."""
+    import hybrid_npu.runtime.engine as engine_module
+
+    engine = hybrid_npu.load(text_tied.out)
+    assert engine.commit_worker() is None  # the tiny model commits inline
+    monkeypatch.setattr(engine_module, "COMMIT_BESIDE_MIN_BYTES", 0)
+    engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, wrong_rate=0.3, chain=True)
+    engine.adaptive = False
+    assert engine.generate(PROMPT, 256, stop_at_eos=False) == plain_greedy
+    assert engine.last_stats["rounds"] > 0 and engine._commit_worker is not None

@@ -7,6 +7,11 @@ recurrent states along the path, the conv windows, the K/V rows), timed apart: "
 "modelled_with_commit" charges a round verify + commit (what a round costs the engine, besides
 the drafter's observe), beside "modelled" (the graph alone, as the earlier passes gave it).
 
+With a drafter (--drafter-weights, the first one given), "commit_beside" times the round as the
+engine runs it: the commit on a worker thread while the drafter observes the path's tokens
+(runtime/speculative.commit_beside; the worker is used only where the state is large enough,
+"worker"), against the observe alone; what the commit adds beside it is charged to the round.
+
 k = 1 is the decode step itself (a round that drafts nothing is a plain step); the other k are
 the graph's core sizes up to 16 (2-8 and 16 in an export whose verify takes any count; 2, 4, 8, 16
 before), chain trees of k nodes at the same context. Decode steps and verify calls alternate, repeat by
@@ -92,6 +97,7 @@ def main() -> int:
     from hybrid_npu.export.exporter import export
     from hybrid_npu.runtime.speculative import Tree, tree_feed
     from hybrid_npu.runtime.step_inputs import chain_feed
+    from hybrid_npu.export.step_graph import ANY_COUNT_MAX
 
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.clock == "thread" and args.threads != 1:
@@ -128,6 +134,8 @@ def main() -> int:
                       rng.standard_normal((512, d.tap_width)).astype(np.float32))
             d._propose_chain(2)  # warm
         level = {mode: 1e9 for mode in drafters}
+        beside_drafter = next(iter(drafters.values()), None)
+        observed, together = {m: 1e9 for m in sizes}, {m: 1e9 for m in sizes}
         for _ in range(args.repeats):
             t = clock()
             engine.pipelines["decode"].run(chain_feed(cfg, engine.state, [5], 1))
@@ -137,6 +145,16 @@ def main() -> int:
                 out = verify.run(tree_feed(cfg, engine.state, trees[m]))
                 best[m] = min(best[m], clock() - t)
                 commit[m] = min(commit[m], timed_commit(engine.state, out, trees[m], cfg.linear_conv_kernel_dim, clock))
+                if beside_drafter is not None and m <= ANY_COUNT_MAX:  # the engine's round: the commit
+                    # beside the drafter's observe of the path (runtime/speculative.commit_beside)
+                    observe = observing(beside_drafter, trees[m].tokens, rng)
+                    verify.run(tree_feed(cfg, engine.state, trees[m]))  # the caches as a round leaves them
+                    t = clock()
+                    observe()
+                    observed[m] = min(observed[m], clock() - t)
+                    out = verify.run(tree_feed(cfg, engine.state, trees[m]))
+                    together[m] = min(together[m], timed_commit(engine.state, out, trees[m], cfg.linear_conv_kernel_dim,
+                                                                clock, engine.commit_worker(), observe))
             for mode, d in drafters.items():
                 t = clock()
                 d._propose_chain(6)  # five drafter calls (the first level is the observe's logits)
@@ -156,6 +174,16 @@ def main() -> int:
                                for a in (0.6, 0.7, 0.8)}},
                "modelled_with_commit": {f"a={a}": modelled_speedup(with_commit, decode, a, args.draft_fraction)
                                         for a in (0.6, 0.7, 0.8)}}
+        if beside_drafter is not None:  # what the commit adds to a round where it runs beside the observe
+            visible = {m: max(0.0, together[m] - observed[m]) for m in sizes if m <= ANY_COUNT_MAX}
+            frac = level[next(iter(drafters))] / decode
+            row["commit_beside"] = {
+                "worker": engine.commit_worker() is not None,
+                "observe_ms": {str(m): round(1e3 * observed[m], 2) for m in visible},
+                "commit_and_observe_ms": {str(m): round(1e3 * together[m], 2) for m in visible},
+                "visible_commit_over_decode": {str(m): round(v / decode, 3) for m, v in visible.items()},
+                "modelled_with_drafter": {f"a={a}": modelled_speedup({m: best[m] + v for m, v in visible.items()},
+                                                                     decode, a, frac) for a in (0.6, 0.7, 0.8)}}
         for mode, d in drafters.items():
             frac = level[mode] / decode
             row.setdefault("drafters", {})[mode] = {
@@ -170,19 +198,31 @@ def main() -> int:
     return 0
 
 
-def timed_commit(state, out: dict, tree, k: int, clock) -> float:
-    """Seconds the host takes to commit the whole of `tree`'s path from the verify outputs `out`; the
-    state is then put back as it was by a turn checkpoint (the K/V rows written past its position are
-    never read)."""
+def timed_commit(state, out: dict, tree, k: int, clock, worker=None, work=lambda: None) -> float:
+    """Seconds the host takes to commit the whole of `tree`'s path from the verify outputs `out` (with
+    `worker`: on it, while `work()` runs, as a round does beside the drafter's observe); the state is
+    then put back as it was by a turn checkpoint (the K/V rows written past its position are never
+    read)."""
     from hybrid_npu.runtime.checkpoints import Checkpoint
-    from hybrid_npu.runtime.speculative import commit_path
+    from hybrid_npu.runtime.speculative import commit_beside
 
     saved = Checkpoint.take(state)
     t = clock()
-    commit_path(state, out, tree, list(range(len(tree.tokens))), k)
+    commit_beside(worker, state, out, tree, list(range(len(tree.tokens))), k, work)
     seconds = clock() - t
     saved.restore(state)
     return seconds
+
+
+def observing(drafter, tokens: list[int], rng):
+    """A call of the drafter's observe of `tokens` (random taps) that leaves it as it was."""
+    features = rng.standard_normal((len(tokens), drafter.tap_width)).astype(np.float32)
+
+    def observe():
+        kept = drafter.length, drafter._hidden, drafter._logits, drafter._last_token
+        drafter.observe(tokens, features)
+        drafter.length, drafter._hidden, drafter._logits, drafter._last_token = kept
+    return observe
 
 
 def open_drafter(engine, src: Path, args, mode: str):

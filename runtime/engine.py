@@ -149,6 +149,7 @@ class Engine:
         self.make_policy = lambda engine: SpecPolicy(engine.draft_shape["depth"], verify_nodes=engine.verify_graph,
                                                      verify_graphs=engine.verify_graphs)
         self._verify_graphs: tuple | None = None  # (what verify_graphs read, its answer)
+        self._commit_worker: ThreadPoolExecutor | None = None  # opened by commit_worker()
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
@@ -275,7 +276,7 @@ class Engine:
         states are too small for that to pay: runtime/speculative.commit_beside)."""
         if sum(layer.recurrent.nbytes for layer in self.state.gdn.values()) < COMMIT_BESIDE_MIN_BYTES:
             return None
-        if getattr(self, "_commit_worker", None) is None:  # its thread ends when the engine is collected
+        if self._commit_worker is None:  # its thread ends when the engine is collected
             self._commit_worker = ThreadPoolExecutor(1, thread_name_prefix="commit")
         return self._commit_worker
 

@@ -266,23 +266,11 @@ def test_commit_path_writes_the_state_in_place_and_leaves_a_checkpoint_alone():
     a checkpoint taken before keeps the old state; a read-only state array is replaced, not written."""
     from hybrid_npu.kernels.delta_rule import commit_state_ref
     from hybrid_npu.runtime.checkpoints import Checkpoint
-    from hybrid_npu.runtime.speculative import Tree, commit_path
-    from hybrid_npu.runtime.state import GDNLayerState, State
+    from hybrid_npu.runtime.speculative import commit_path
 
-    rng = np.random.default_rng(1)
-    n, hv, dk, dv, c, k = 4, 3, 5, 6, 7, 4
-    gdn = {i: GDNLayerState(rng.standard_normal((c, k - 1)).astype(np.float32),
-                            rng.standard_normal((hv, dk, dv)).astype(np.float32)) for i in (0, 2)}
-    state = State(gdn, {}, position=9, tokens=list(range(9)))
+    state, out, tree, path, k = _random_round(1, with_attention=False)
+    gdn = state.gdn
     gdn[2].recurrent.flags.writeable = False
-    out = {}
-    for i in gdn:
-        out.update({f"commit_k.{i}": rng.standard_normal((n, hv, dk)).astype(np.float32),
-                    f"commit_u.{i}": rng.standard_normal((n, hv, dv)).astype(np.float32),
-                    f"commit_g.{i}": -np.abs(rng.standard_normal((n, hv))).cumsum(0).astype(np.float32),
-                    f"pre_conv.{i}": rng.standard_normal((n, c)).astype(np.float32)})
-    tree = Tree([5, 6, 7, 8], [-1, 0, 1, 1])
-    path = [0, 1, 3]
     before = Checkpoint.take(state)
     arrays = {i: layer.recurrent for i, layer in gdn.items()}
     want = {i: commit_state_ref(before.recurrent[i], (out[f"commit_k.{i}"], out[f"commit_u.{i}"],

@@ -11,6 +11,10 @@ With a drafter (--drafter-weights, the first one given), "commit_beside" times t
 engine runs it: the commit on a worker thread while the drafter observes the path's tokens
 (runtime/speculative.commit_beside; the worker is used only where the state is large enough,
 "worker"), against the observe alone; what the commit adds beside it is charged to the round.
+"modelled_round" charges a round as the engine runs it: verify + (commit beside the observe) + the
+d - 1 draft levels after the first, whose logits the observe computes. The observe runs after the
+verify has streamed the target's weights, so it is costlier than a warm draft level;
+"modelled_with_drafter" (earlier passes) charged it as one warm level.
 
 k = 1 is the decode step itself (a round that drafts nothing is a plain step); the other k are
 the graph's core sizes up to 16 (2-8 and 16 in an export whose verify takes any count; 2, 4, 8, 16
@@ -76,6 +80,12 @@ def modelled_speedup(costs: dict[int, float], decode: float, a: float, draft_fra
         if s > best["speedup"]:
             best = {"speedup": round(s, 2), "depth": d, "verify_size": size, "tokens_per_round": round(tokens, 2)}
     return best
+
+
+def modelled_round(verify: dict[int, float], beside: dict[int, float], level: float, decode: float, a: float) -> dict:
+    """modelled_speedup for rounds costing verify(d + 1 nodes) + beside(d + 1), the commit and the
+    observe side by side, + (d - 1) draft levels: the observe yields the first level's logits."""
+    return modelled_speedup({m: verify[m] + beside[m] - level for m in beside}, decode, a, level / decode)
 
 
 def main() -> int:
@@ -183,7 +193,11 @@ def main() -> int:
                 "commit_and_observe_ms": {str(m): round(1e3 * together[m], 2) for m in visible},
                 "visible_commit_over_decode": {str(m): round(v / decode, 3) for m, v in visible.items()},
                 "modelled_with_drafter": {f"a={a}": modelled_speedup({m: best[m] + v for m, v in visible.items()},
-                                                                     decode, a, frac) for a in (0.6, 0.7, 0.8)}}
+                                                                     decode, a, frac) for a in (0.6, 0.7, 0.8)},
+                "observe_over_level": round(observed[min(visible)] / level[next(iter(drafters))], 2),
+                "modelled_round": {f"a={a}": modelled_round(best, {m: together[m] for m in visible},
+                                                            level[next(iter(drafters))], decode, a)
+                                   for a in (0.6, 0.7, 0.8)}}
         for mode, d in drafters.items():
             frac = level[mode] / decode
             row.setdefault("drafters", {})[mode] = {

@@ -225,3 +225,19 @@ def test_bench_verify_sizes_times_a_commit_and_puts_the_state_back():
     for i, layer in engine.state.gdn.items():
         np.testing.assert_array_equal(layer.recurrent, before.gdn[i].recurrent)
         np.testing.assert_array_equal(layer.conv, before.gdn[i].conv)
+
+
+def test_the_modelled_round_charges_the_observe_beside_the_commit_and_the_later_levels():
+    """bench_verify_sizes.modelled_round: a chain of d drafts costs verify(d + 1) + (commit beside
+    observe)(d + 1) + (d - 1) warm levels (the observe yields level 1), against hand arithmetic."""
+    from bench_verify_sizes import modelled_round
+
+    verify, beside = {2: 1.2, 3: 1.4}, {2: 0.25, 3: 0.3}
+    # d = 1: 1.7 tokens for 1.2 + 0.25 = 1.45 steps -> 1.172; d = 2: 2.19 tokens for 1.4 + 0.3 + 0.1
+    # = 1.8 steps -> 1.217 (a = 0.7, level 0.1 of a decode step of 1.0)
+    r = modelled_round(verify, beside, 0.1, 1.0, 0.7)
+    assert (r["depth"], r["verify_size"]) == (2, 3)
+    assert abs(r["speedup"] - 2.19 / 1.8) < 0.006
+    # levels costlier: d = 1 wins (1.7 / 1.45 = 1.172 against 2.19 / 2.1 = 1.043)
+    r = modelled_round(verify, beside, 0.4, 1.0, 0.7)
+    assert r["depth"] == 1 and abs(r["speedup"] - 1.7 / 1.45) < 0.006

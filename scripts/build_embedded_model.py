@@ -12,6 +12,12 @@ EAGLE-3 drafter byte for byte: the int8 drafter cannot be rebuilt from the packa
 (scripts/checkpoint_from_export.py gives the target back, not it). TARGET_DIR must be the target the
 package holds (its exported weights are compared), since the head was trained against it.
 
+--graphs-only: re-export TARGET_DIR's graphs with this tree's builders and replace the package's
+graphs/*.onnx that changed (and their model.json entries), keeping weights.bin, drafter/ and mtp/
+byte for byte: how a faster graph reaches the shipped model although its int8 drafter cannot be
+rebuilt. TARGET_DIR must be the package's target (scripts/checkpoint_from_export.py rebuilds it;
+the exported weights.bin is compared).
+
 The tiny model fits one NPU part, so no profile-specific graphs are needed: with an NPU profile
 the runtime compiles the prefill (and verify) graph for the HTP on first load.
 """
@@ -101,6 +107,37 @@ def replace_mtp(target: Path, mtp: Path, out: Path) -> None:
     write_records(out, manifest, training)
 
 
+def replace_graphs(target: Path, out: Path) -> list[str]:
+    """Export target into a scratch directory and move the graphs that differ into the package at out."""
+    manifest = json.loads((out / "model.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        mtp = None
+        if "mtp" in manifest.get("drafters", {}):  # its graphs carry the final tap the MTP head reads; any
+            # head with the package's config makes the exporter build them so (the head is not shipped)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from random_checkpoint import make_random_mtp
+            from hybrid_npu.config import ModelConfig
+            mtp = make_random_mtp(ModelConfig.from_dict(manifest["config"]), Path(tmp) / "mtp_for_taps")
+        fresh_dir = Path(tmp) / "export"
+        fresh = export(target, fresh_dir, dtype="fp16", progress=print, verify=VERIFY_NODES, mtp=mtp)
+        old, new = manifest["integrity"]["files"], fresh["integrity"]["files"]
+        weights = "graphs/weights.bin"
+        if new[weights] != old[weights]:
+            raise UserError(f"{target} is not the target in {out} (its exported {weights} differs): give the "
+                            "checkpoint the package was built from (scripts/checkpoint_from_export.py rebuilds it)")
+        if set(fresh["graphs"]) != set(manifest["graphs"]):
+            raise UserError(f"this tree exports graphs {sorted(fresh['graphs'])}, the package has "
+                            f"{sorted(manifest['graphs'])}: rebuild the whole package")
+        changed = [f for f in new if f.startswith("graphs/") and f.endswith(".onnx") and new[f] != old.get(f)]
+        for f in changed:  # each beside the old one first: a failed copy leaves that graph as it was
+            shutil.copyfile(fresh_dir / f, out / (f + ".new"))
+            (out / (f + ".new")).replace(out / f)
+        manifest["graphs"] = fresh["graphs"]
+    record = out / "training.json"
+    write_records(out, manifest, json.loads(record.read_text()) if record.exists() else {})
+    return changed
+
+
 def build(args) -> int:
     manifest = export(args.target, args.out, dtype="fp16", drafter=args.drafter, force=True, progress=print,
                       verify=VERIFY_NODES, mtp=args.mtp, drafter_weights=DRAFTER_WEIGHTS)
@@ -129,8 +166,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=SOURCE_MODEL)
     ap.add_argument("--mtp", type=Path, help="an MTP head for this target (train_mtp.py's output) to ship too")
     ap.add_argument("--mtp-only", action="store_true", help="replace only the package's mtp/ with --mtp's head")
+    ap.add_argument("--graphs-only", action="store_true",
+                    help="replace only the package's target graphs that this tree exports differently")
     args = ap.parse_args(argv)
     try:
+        if args.graphs_only:
+            if args.drafter is not None or args.mtp is not None or args.mtp_only:
+                raise UserError("--graphs-only takes TARGET_DIR only")
+            changed = replace_graphs(args.target, args.out)
+            print(f"replaced {', '.join(changed) if changed else 'nothing (the graphs are current)'} in {args.out}")
+            return 0
         if args.mtp_only:
             if args.mtp is None or args.drafter is not None:
                 raise UserError("--mtp-only takes TARGET_DIR and --mtp MTP_DIR, no DRAFTER_DIR")

@@ -104,3 +104,46 @@ def test_build_embedded_model_mtp_only_swaps_the_head_and_keeps_the_rest(trained
                                       "--out", str(pkg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "ceiling" in err and hashes() == after and not (pkg / "mtp.new").exists()
+
+
+def test_build_embedded_model_graphs_only_refreshes_a_stale_graph_and_keeps_the_rest(trained, text_tied, text_untied,
+                                                                                     tmp_path, capsys):
+    """--graphs-only re-exports the target's graphs and replaces those this tree builds differently (a
+    stale cpu_verify.onnx, a wrong model.json entry), keeping weights.bin, drafter/ and mtp/ byte for byte;
+    the package then loads (integrity) and speculates losslessly; another target is refused in one line."""
+    import onnx
+    import build_embedded_model
+
+    import hybrid_npu
+    from hybrid_npu.export.exporter import export
+
+    root, _ = trained
+    pkg = tmp_path / "pkg"
+    export(text_tied.src, pkg, dtype="fp16", mtp=root / "head", drafter_weights="int8",
+           verify=build_embedded_model.VERIFY_NODES)
+    current = (pkg / "graphs/cpu_verify.onnx").read_bytes()
+    stale = onnx.load_from_string(current)  # an older build of the same graph: other bytes, same weights
+    stale.doc_string = "built by an older tree"
+    (pkg / "graphs/cpu_verify.onnx").write_bytes(stale.SerializeToString())
+    manifest = json.loads((pkg / "model.json").read_text())
+    manifest["graphs"]["cpu_verify"]["nodes"] = 1
+    build_embedded_model.write_records(pkg, manifest, {})
+    hashes = lambda: json.loads((pkg / "model.json").read_text())["integrity"]["files"]  # noqa: E731
+    before = hashes()
+
+    assert build_embedded_model.main([str(text_tied.src), "--graphs-only", "--out", str(pkg)]) == 0
+    after = hashes()
+    assert {f for f in after if before.get(f) != after[f]} == {"graphs/cpu_verify.onnx"}
+    assert (pkg / "graphs/cpu_verify.onnx").read_bytes() == current
+    assert json.loads((pkg / "model.json").read_text())["graphs"]["cpu_verify"]["nodes"] > 1
+    engine = hybrid_npu.load(pkg, threads=1, drafter="mtp")
+    engine.adaptive = False  # every step a round
+    ids = [5, 17, 33, 2, 90, 41]
+    assert engine.generate(ids, 16, speculative=True, stop_at_eos=False) == \
+        engine.generate(ids, 16, speculative=False, stop_at_eos=False)
+
+    capsys.readouterr()
+    assert build_embedded_model.main([str(text_untied.src), "--graphs-only", "--out", str(pkg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is not the target" in err and "checkpoint_from_export" in err
+    assert hashes() == after

@@ -88,6 +88,10 @@ class SpecPolicy:
     max_guess_every: int = 256            # ... the interval doubling up to this while the guesses say plain
     plain_sample_every: int = 8           # while no round could pay, one plain step in this many is timed
     guess_budget: float = 0.02            # the guesses may cost at most this share of the plain decoding
+    charge_switches: bool = True          # a probe's budget also pays for the steps it leaves cold: where the
+    #                                       caches are shared, a call right after another session's ran 1.1-1.5
+    #                                       ms slower on a ~2 ms embedded step (docs/speculation.md, twenty-third
+    #                                       pass: adaptive 0.86-0.95 -> 0.97-1.05x plain where rounds lose)
     #                                       between them (each is a drafter call over the pairs since the
     #                                       last: at 0.8B int4 a full-vocabulary MTP head's took ~1 decode step)
     guess_near: float = 0.85              # guesses that put rounds within this of plain's rate still probe: a
@@ -97,6 +101,9 @@ class SpecPolicy:
     _decode: deque = field(default_factory=deque)
     _draft_level: deque = field(default_factory=deque)
     _guess_cost: deque = field(default_factory=deque)  # the drafter's guess calls (record_guess_cost)
+    _cold_plain: deque = field(default_factory=deque)  # a plain step's excess over decode_s right after a
+    #                                                    round or a guess call (the drafter's session ran)
+    _cold_round: deque = field(default_factory=deque)  # a round's excess over its estimate right after plain steps
     _fixed: dict = field(default_factory=dict)    # verify size -> round costs besides the draft
     successes: float = 0.0                        # decayed acceptance counts
     failures: float = 0.0
@@ -126,6 +133,7 @@ class SpecPolicy:
     _plain_held: tuple | None = None              # (plain run a probe could be due at, _signature()): _hold_plain
     _rounds_kept: tuple | None = None             # (fixed costs, draft level, verify graphs, _round_costs' answer)
     _after_break: bool = False                    # the next step is a reply's first: its cost is not kept
+    _after_other: bool = False                    # the last call was a round or a guess call
 
     def __post_init__(self):
         if self.max_depth < 1:
@@ -137,7 +145,8 @@ class SpecPolicy:
     def _add(self, seen: deque, seconds: float) -> None:
         # (a plain step moves the costs only when it moves decode_s: record_plain; a guess call's cost
         # moves no decision but when guesses are next due)
-        if seen is not self._decode and seen is not self._guess_cost:
+        if seen is not self._decode and seen is not self._guess_cost and seen is not self._cold_plain \
+                and seen is not self._cold_round:
             self._version += 1
         seen.append(seconds)
         while len(seen) > self.window:
@@ -326,7 +335,11 @@ class SpecPolicy:
         depth, less the tokens they are expected to emit at a plain step's cost) stays within
         `probe_budget` of the plain decoding between probes. Measured on the embedded pair, quiet
         machine: a 96-token reply at a new context paid 6-8 rounds of probes, 25-35 plain steps'
-        worth, and ran 0.61-0.85x plain where plain was right."""
+        worth, and ran 0.61-0.85x plain where plain was right. With charge_switches the probe also
+        pays for its first round and the plain step after it running cold (each measured against a
+        run of its own kind): not charged, where the caches are shared, adaptive decoding ran 0.86-0.95x
+        plain at contexts where rounds lose, with probes budgeted at 5% (docs/speculation.md,
+        twenty-third pass)."""
         t_dec = self.decode_s
         if t_dec is None or self.probe_budget <= 0:
             return 0
@@ -335,7 +348,12 @@ class SpecPolicy:
         if cost is None:
             return 0
         extra = 2 * max(cost - self.expected_tokens(d) * t_dec, 0.0)
+        extra += self._cold(self._cold_round) + self._cold(self._cold_plain)  # into the probe and out of it
         return min(self.max_budget_interval, math.ceil(extra / (self.probe_budget * t_dec)))
+
+    def _cold(self, seen: deque) -> float:
+        """What switching costs once, by the last measurements of `seen` (0 unknown or not charged)."""
+        return self._median(seen) if self.charge_switches and seen else 0.0
 
     def note_context(self, tokens: int, fresh: bool = False) -> None:
         """A generation starts at a context of `tokens`. Costs measured at a context far from it (a
@@ -501,11 +519,13 @@ class SpecPolicy:
 
     def count_plain(self) -> None:
         """A plain step that was not timed (times_plain said so): the run's bookkeeping only."""
-        self._last, self._after_break = "plain", False
+        self._last, self._after_break, self._after_other = "plain", False, False
         self._plain_run += 1
         self._spec_run = 0
 
     def record_plain(self, seconds: float) -> None:
+        if self._after_other and not self._after_break and self.decode_s is not None:
+            self._add(self._cold_plain, max(seconds - self.decode_s, 0.0))
         if self._last == "plain" and not self._after_break:
             before = self.decode_s
             self._add(self._decode, seconds)
@@ -538,6 +558,7 @@ class SpecPolicy:
     def record_guess_cost(self, seconds: float) -> None:
         """What a guess call (the drafter's catch-up that scores its guesses) took."""
         self._add(self._guess_cost, seconds)
+        self._after_other = True
 
     def record_guesses(self, hits) -> None:
         """The drafter's first guesses before tokens the target decoded plainly, each a hit or not:
@@ -563,14 +584,24 @@ class SpecPolicy:
             self._add(self._draft_level, draft_s / max(depth, 1))
             key = self._nodes(depth) if verify is None else verify
             self._add(self._fixed.setdefault(key, deque()), rest_s)
+        elif self._last == "plain" and not self._after_break and (estimate := self._steady_round(depth, verify)):
+            self._add(self._cold_round, max(draft_s + rest_s - estimate, 0.0))
         self._last, self._guessed, self.guess_interval = "round", False, self.guess_every
-        self._after_break = False
+        self._after_break, self._after_other = False, True
         self.successes = self.keep * self.successes + min(accepted, depth)
         self.failures = self.keep * self.failures + (accepted < depth)
         self._round_tokens = self.keep * self._round_tokens + min(accepted, depth) + 1
         self._round_seconds = self.keep * self._round_seconds + draft_s + rest_s
         self._spec_run += 1
         self._plain_run = 0
+
+    def _steady_round(self, depth: int, verify=None) -> float | None:
+        """A round's cost measured in a run of rounds at this context: its verify graph's kept cost and
+        `depth` draft levels (None until both are measured)."""
+        key = self._nodes(depth) if verify is None else verify
+        if self.draft_level_s is None or not self._fixed.get(key):
+            return None
+        return self.fixed_s[key] + depth * self.draft_level_s
 
 
 def _device(key) -> object:

@@ -121,6 +121,34 @@ def test_probes_wait_until_their_cost_fits_the_budget():
     assert probe_depths == {1}  # the cheapest round is the probe when nothing is accepted
 
 
+def drive_cold(policy, steps, decode, level, fixed, cold_plain, cold_round):
+    """drive() with a never-right drafter, where the first plain step after a round costs cold_plain
+    more and the first round after plain steps cold_round more (the caches left by the other kind)."""
+    last = None
+    for _ in range(steps):
+        d = policy.choose()
+        if d:
+            policy.record_round(d, 0, d * level, fixed + (cold_round if last == "p" else 0.0))
+            last = "r"
+        else:
+            policy.record_plain(decode + (cold_plain if last == "r" else 0.0))
+            last = "p"
+    return list(policy.decisions)
+
+
+@pytest.mark.parametrize("charge", [True, False])
+def test_a_probes_budget_also_pays_for_the_cold_steps_around_it(charge):
+    """As above, but the plain step after a probe costs 6 ms more and the probe's first round 4 ms more
+    than in a run of their kind: charged, a probe costs 2 x (16 - 10) + 4 + 6 = 22 ms more than plain
+    decoding, so 22 / (0.05 x 10) = 44 plain steps come before each; not charged, 24."""
+    decode, level, fixed, budget = 10 * MS, 1 * MS, 15 * MS, 0.05
+    dec = drive_cold(SpecPolicy(6, probe_every=8, max_probe_every=64, probe_budget=budget, charge_switches=charge),
+                     600, decode, level, fixed, 6 * MS, 4 * MS)
+    gaps = [n for kind, n in runs(dec)[1:] if kind == "p"]
+    wait = 44 if charge else 24
+    assert gaps[1:3] == [wait, wait if charge else 32], gaps  # once both cold costs are measured
+
+
 def test_one_slow_first_decode_step_does_not_hold_speculation_on():
     """The first kept decode step 5x slow, then 10 ms; a round costs 21 ms and accepts nothing
     (1 token): plain must win as soon as one 10 ms step is measured (a plain step costs the fastest

@@ -88,12 +88,12 @@ class SpecPolicy:
     max_guess_every: int = 256            # ... the interval doubling up to this while the guesses say plain
     plain_sample_every: int = 8           # while no round could pay, one plain step in this many is timed
     guess_budget: float = 0.02            # the guesses may cost at most this share of the plain decoding
+    #                                       between them (each is a drafter call over the pairs since the
+    #                                       last: at 0.8B int4 a full-vocabulary MTP head's took ~1 decode step)
     charge_switches: bool = True          # a probe's budget also pays for the steps it leaves cold: where the
     #                                       caches are shared, a call right after another session's ran 1.1-1.5
     #                                       ms slower on a ~2 ms embedded step (docs/speculation.md, twenty-third
     #                                       pass: adaptive 0.86-0.95 -> 0.97-1.05x plain where rounds lose)
-    #                                       between them (each is a drafter call over the pairs since the
-    #                                       last: at 0.8B int4 a full-vocabulary MTP head's took ~1 decode step)
     guess_near: float = 0.85              # guesses that put rounds within this of plain's rate still probe: a
     #                                       guess is a depth-1 draft, and acceptance comes in runs (embedded
     #                                       pair, 24-token prompt: guesses 0.69, rounds 0.87 a token)
@@ -580,11 +580,11 @@ class SpecPolicy:
         """A round of `depth` drafts accepted `accepted` of them; draft_s its drafting, rest_s the rest
         (verify, commit, drafter observe); verify: the graph it ran (verify_nodes' answer before the
         round; by default asked now)."""
+        key = self._nodes(depth) if verify is None else verify
         if self._last == "round" and not self._after_break:
             self._add(self._draft_level, draft_s / max(depth, 1))
-            key = self._nodes(depth) if verify is None else verify
             self._add(self._fixed.setdefault(key, deque()), rest_s)
-        elif self._last == "plain" and not self._after_break and (estimate := self._steady_round(depth, verify)):
+        elif self._last == "plain" and not self._after_break and (estimate := self._steady_round(depth, key)):
             self._add(self._cold_round, max(draft_s + rest_s - estimate, 0.0))
         self._last, self._guessed, self.guess_interval = "round", False, self.guess_every
         self._after_break, self._after_other = False, True
@@ -595,10 +595,9 @@ class SpecPolicy:
         self._spec_run += 1
         self._plain_run = 0
 
-    def _steady_round(self, depth: int, verify=None) -> float | None:
-        """A round's cost measured in a run of rounds at this context: its verify graph's kept cost and
-        `depth` draft levels (None until both are measured)."""
-        key = self._nodes(depth) if verify is None else verify
+    def _steady_round(self, depth: int, key) -> float | None:
+        """A round's cost measured in a run of rounds at this context: its verify graph's (key) kept cost
+        and `depth` draft levels (None until both are measured)."""
         if self.draft_level_s is None or not self._fixed.get(key):
             return None
         return self.fixed_s[key] + depth * self.draft_level_s

@@ -186,7 +186,8 @@ def main() -> int:
                                         for a in (0.6, 0.7, 0.8)}}
         if beside_drafter is not None:  # what the commit adds to a round where it runs beside the observe
             visible = {m: max(0.0, together[m] - observed[m]) for m in sizes if m <= ANY_COUNT_MAX}
-            frac = level[next(iter(drafters))] / decode
+            first_level = level[next(iter(drafters))]
+            frac = first_level / decode
             row["commit_beside"] = {
                 "worker": engine.commit_worker() is not None,
                 "observe_ms": {str(m): round(1e3 * observed[m], 2) for m in visible},
@@ -194,9 +195,9 @@ def main() -> int:
                 "visible_commit_over_decode": {str(m): round(v / decode, 3) for m, v in visible.items()},
                 "modelled_with_drafter": {f"a={a}": modelled_speedup({m: best[m] + v for m, v in visible.items()},
                                                                      decode, a, frac) for a in (0.6, 0.7, 0.8)},
-                "observe_over_level": round(observed[min(visible)] / level[next(iter(drafters))], 2),
+                "observe_over_level": round(observed[min(visible)] / first_level, 2),
                 "modelled_round": {f"a={a}": modelled_round(best, {m: together[m] for m in visible},
-                                                            level[next(iter(drafters))], decode, a)
+                                                            first_level, decode, a)
                                    for a in (0.6, 0.7, 0.8)}}
         for mode, d in drafters.items():
             frac = level[mode] / decode

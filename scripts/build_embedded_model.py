@@ -77,6 +77,14 @@ def write_records(out: Path, manifest: dict, training: dict) -> None:
     (out / "model.json").write_text(json.dumps(manifest, indent=1))
 
 
+def check_same_target(fresh: dict, manifest: dict, target: Path, out: Path) -> None:
+    """A partial rebuild keeps the package's weights: the fresh export's must be the same bytes."""
+    weights = "graphs/weights.bin"
+    if fresh["integrity"]["files"][weights] != manifest["integrity"]["files"][weights]:
+        raise UserError(f"{target} is not the target in {out} (its exported {weights} differs): give the "
+                        "checkpoint the package was built from (scripts/checkpoint_from_export.py rebuilds it)")
+
+
 def replace_mtp(target: Path, mtp: Path, out: Path) -> None:
     """Export target + mtp into a scratch directory and move only its mtp/ into the package at out."""
     manifest = json.loads((out / "model.json").read_text())
@@ -86,10 +94,7 @@ def replace_mtp(target: Path, mtp: Path, out: Path) -> None:
         fresh_dir = Path(tmp) / "export"
         fresh = export(target, fresh_dir, dtype="fp16", progress=print, verify=VERIFY_NODES, mtp=mtp,
                        drafter_weights=DRAFTER_WEIGHTS)
-        weights = "graphs/weights.bin"
-        if fresh["integrity"]["files"][weights] != manifest["integrity"]["files"][weights]:
-            raise UserError(f"{target} is not the target in {out} (its exported {weights} differs): give the "
-                            "checkpoint the package was built from (scripts/checkpoint_from_export.py rebuilds it)")
+        check_same_target(fresh, manifest, target, out)
         size = tree_bytes(out) - tree_bytes(out / "mtp") + tree_bytes(fresh_dir / "mtp")
         if size > CEILING_BYTES:
             raise UserError(f"with this head the package would be {size / 2**20:.1f} MiB, over the "
@@ -120,11 +125,8 @@ def replace_graphs(target: Path, out: Path) -> list[str]:
             mtp = make_random_mtp(ModelConfig.from_dict(manifest["config"]), Path(tmp) / "mtp_for_taps")
         fresh_dir = Path(tmp) / "export"
         fresh = export(target, fresh_dir, dtype="fp16", progress=print, verify=VERIFY_NODES, mtp=mtp)
+        check_same_target(fresh, manifest, target, out)
         old, new = manifest["integrity"]["files"], fresh["integrity"]["files"]
-        weights = "graphs/weights.bin"
-        if new[weights] != old[weights]:
-            raise UserError(f"{target} is not the target in {out} (its exported {weights} differs): give the "
-                            "checkpoint the package was built from (scripts/checkpoint_from_export.py rebuilds it)")
         if set(fresh["graphs"]) != set(manifest["graphs"]):
             raise UserError(f"this tree exports graphs {sorted(fresh['graphs'])}, the package has "
                             f"{sorted(manifest['graphs'])}: rebuild the whole package")

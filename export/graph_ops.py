@@ -59,9 +59,10 @@ class PlainOps:
         return S_after
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
-                   unit: str | None, eye: str | None = None):
+                   unit: str | None, eye: str | tuple[str, str] | None = None):
         """y [n, 2·Hk·Dk + Hv·Dv] (the conv's q|k|v) -> (o [n, Hv, Dv], S_after, tree commit tensors).
-        eye: the call's [n, n] identity where n is None (any count)."""
+        eye: the call's [n, n] identity where n is None (any count), or its two diagonal blocks
+        (kernels/delta_rule.emit_unit_lower_solve)."""
         g, (hk, hv, dk, dv) = self.g, dims
         q, kk, v = g.split(y, [hk * dk, hk * dk, hv * dv], axis=-1)
         rows = -1 if n is None else n  # None: any count (the CPU verify's small trees)
@@ -107,7 +108,7 @@ class CpuOps(PlainOps):
         return emit_short_conv_cpu(self.g, x, state, w_kc, state_select, k)
 
     def delta_rule(self, y: str, gate: str, beta: str, S: str, *, n: int, dims, masks, tree: bool,
-                   unit: str | None, eye: str | None = None):
+                   unit: str | None, eye: str | tuple[str, str] | None = None):
         """-> (o [n, Hv·Dv], S_after [1, Hv, Dk, Dv], None): ORT's LinearAttention, one token or a chunk."""
         g, (hk, hv, dk, dv) = self.g, dims
         qk, v = g.split(y, [2 * hk * dk, hv * dv], axis=-1)

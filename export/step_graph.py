@@ -36,7 +36,7 @@ from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.kernels.attention import MASKED, emit_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select
-from hybrid_npu.kernels.delta_rule import SOLVE_BLOCK
+from hybrid_npu.kernels.delta_rule import SLICE_END, SOLVE_BLOCK
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.rope import emit_partial_rope
 
@@ -69,7 +69,8 @@ class Traits:
     whole: bool  # the whole model only, never a layer range
 
 
-ANY_COUNT_MAX = SOLVE_BLOCK  # the CPU verify's one core for any count takes 2 .. this many nodes
+ANY_COUNT_MAX = 2 * SOLVE_BLOCK  # the CPU verify's one core for any count takes 2 .. this many nodes (the
+#                                 masked solve's two blocks, kernels/delta_rule.emit_unit_lower_solve)
 
 KINDS = {
     Kind.PREFILL: Traits(tree=False, rows="static", ops="plain", whole=False),
@@ -223,7 +224,8 @@ class _Builder:
             # the exact sizes up to ANY_COUNT_MAX share one core built for any count (m None): each If
             # level a call passes costs every layer a subgraph frame (0.8B int4, 24 layers: the three
             # levels to a 2-4 node core were 2.3-2.8 ms of a 32-44 ms verify; twenty-first pass)
-            small = [case for case in self.cases if case[1] <= ANY_COUNT_MAX and not case[2]]
+            # (a padded size too: a core for any count takes its counts as they come, unpadded)
+            small = [case for case in self.cases if case[1] <= ANY_COUNT_MAX]
             if len(small) > 1 and small == self.cases[:len(small)]:
                 self.cases[:len(small)] = [((small[0][0][0], small[-1][0][1]), None, False)]
         # every split's condition once a call, in the main graph (each layer's Ifs read them); any: count == 1
@@ -313,8 +315,12 @@ class _Builder:
         if self.traits.tree:
             m = g.input("tree_mask", np.float32, [self.rows, self.rows])
             if self.traits.rows == "sizes":  # the diagonal of whatever size the call brings
-                self.eye = g.op("EyeLike", m)
-                strict = g.op("Sub", m, g.op("Mul", m, self.eye))
+                eye = g.op("EyeLike", m)
+                strict = g.op("Sub", m, g.op("Mul", m, eye))
+                self.eye = eye  # the any-count core's solve: over SOLVE_BLOCK nodes, its two diagonal blocks
+                if self.cases[0][1] is None and self.cases[0][0][1] > SOLVE_BLOCK:
+                    top = g.slice(g.slice(eye, 0, SOLVE_BLOCK, 0), 0, SOLVE_BLOCK, 1)
+                    self.eye = (top, g.slice(g.slice(eye, SOLVE_BLOCK, SLICE_END, 0), SOLVE_BLOCK, SLICE_END, 1))
             else:
                 strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
             self.masks = (m, g.transpose(m, [1, 0]), strict)

@@ -10,7 +10,7 @@ import torch
 
 import hybrid_npu
 from hybrid_npu.export.checkpoint import read_checkpoint
-from hybrid_npu.export.step_graph import Kind, StepSpec, build_step_graph
+from hybrid_npu.export.step_graph import ANY_COUNT_MAX, Kind, StepSpec, build_step_graph
 from hybrid_npu.export.weights import WeightPlan
 from hybrid_npu.kernels.delta_rule import commit_state_ref
 from hybrid_npu.runtime.pipeline import Pipeline
@@ -52,9 +52,10 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
 
 
 def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_tied):
-    """The export's CPU verify graph (one core for any 2-8 nodes, under a single If per layer; padded
-    cores for the larger sizes under further Ifs): trees of a core's size (2-8, the full size), of a
-    count between two sizes (9: padded up to the next inside the graph) and trees the host pads
+    """The export's CPU verify graph (one core for any 2-16 nodes, its masked solve in two blocks,
+    under a single If per layer; padded cores for the larger sizes under further Ifs): trees of 2-8
+    nodes (the solve's first block), 9, 13 and 16 (its second block too), of a count between two sizes
+    (padded up to the next inside the graph: 16 + 1 .. the full size) and trees the host pads
     (older exports' way) give transformers' logits on every real node's path, and the commit tensors
     rebuild its recurrent state. The reference runs in float64: our graphs are fp32 end to end
     (prefill through ORT's LinearAttention, verify through the masked form), and fp32 rounding alone
@@ -64,14 +65,17 @@ def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_
     sizes = engine.manifest["graphs"]["cpu_verify"]["sizes"]
     assert sizes[:7] == list(range(2, 9)) and sizes[-1] == engine.manifest["graphs"]["verify"]["n"] > 9
     graph = onnx.load(str(engine.path / engine.manifest["graphs"]["cpu_verify"]["file"]), load_external_data=False)
-    for node in (n for n in graph.graph.node if n.op_type == "If"):  # a 2-8 node call passes one If a layer
+    ifs = [n for n in graph.graph.node if n.op_type == "If"]
+    assert ifs and sizes[-1] > ANY_COUNT_MAX == 16
+    for node in ifs:  # a 2-16 node call passes one If a layer
         small = next(a.g for a in node.attribute if a.name == "then_branch")
         assert not any(n.op_type == "If" for n in small.node) and len(small.node) > 20
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 300, 11)]
     cfg = engine.config
     rng = np.random.default_rng(2)
     for real_parents, size in (([-1, 0], 2), ([-1, 0, 1], 3), ([-1, 0, 1], 4), ([-1, 0, 0, 1, 2], 5),
-                               ([-1, 0, 1, 2, 3, 4, 5], 7), (PARENTS, 9), (PARENTS, 16),
+                               ([-1, 0, 1, 2, 3, 4, 5], 7), (PARENTS, 9), (list(range(-1, 12)), 13), (PARENTS, 16),
+                               (list(range(-1, 15)), 16), (list(range(-1, 16)), 17),
                                ([-1, 0, 1, 2, 3, 4, 5], 8), (PARENTS, sizes[-1])):
         engine.prefill_logits(prompt)
         draft = [int(t) for t in rng.integers(0, 300, len(real_parents) - 1)]

@@ -383,16 +383,23 @@ def test_propose_valid_deterministic_and_matches_reference(plain):
             assert set(kids) <= set(d2t(w)[top[:top_k]].tolist()), (node, levels[node])
 
 
-def test_chain_proposal_is_the_beam_search_at_top_k_1(plain):
-    """top_k 1 takes the chain path (no beam bookkeeping); it proposes what the beam code does."""
+@pytest.mark.parametrize("window", [None, 4])
+def test_chain_proposal_is_the_beam_search_at_top_k_1(plain, window):
+    """top_k 1 takes the chain path (no beam bookkeeping, one copy of the window's K/V for every
+    level); it proposes what the beam code does and leaves the same K/V rows, with every row
+    visible and with a window that leaves the oldest rows out."""
     w, outs = plain
-    dr = Eagle3Drafter(outs["eagle3"])
+    dr = Eagle3Drafter(outs["eagle3"], window=window)
     taps, toks = taps_and_tokens(9)
     dr.observe(toks, taps)
     for depth, total in ((1, 1), (4, 4), (6, 3), (7, 7)):
         chain = dr.propose(toks[-1], 1, depth, total)
+        rows = dr.length + len(chain[0]) - 1
+        chain_kv = dr.key[:, :rows].copy(), dr.value[:, :rows].copy()
         assert chain == dr._propose_tree(1, depth, total) and len(chain[0]) == min(depth, total)
         assert chain[1] == [-1] + list(range(len(chain[0]) - 1))
+        np.testing.assert_allclose(chain_kv[0], dr.key[:, :rows], atol=1e-5)
+        np.testing.assert_allclose(chain_kv[1], dr.value[:, :rows], atol=1e-5)
 
 
 def test_rollback_is_free(plain):

@@ -41,10 +41,11 @@ def training_counts(tokenizer, vocab_size: int) -> np.ndarray:
 
 
 def masked(drafter, keep: np.ndarray | None) -> None:
-    """Make the drafter draft only `keep` (None: everything), as the trimmed head would."""
-    run = type(drafter)._run
+    """Make the drafter draft only `keep` (None: everything), as the trimmed head would: every call of
+    its graph (_call: the observe's, the tree's and the chain's levels) has the rest's logits masked."""
+    run = type(drafter)._call
     if keep is None:
-        drafter._run = run.__get__(drafter)
+        drafter._call = run.__get__(drafter)
         return
     outside = np.ones(len(drafter.draft_to_target), bool)
     outside[keep] = False
@@ -53,7 +54,7 @@ def masked(drafter, keep: np.ndarray | None) -> None:
         out = run(drafter, *args, **kw)
         out["logits"][:, outside] = -np.inf
         return out
-    drafter._run = run_masked
+    drafter._call = run_masked
 
 
 def main() -> int:

@@ -313,8 +313,8 @@ def test_training_unroll_is_the_runtime_drafter_with_its_window(mtp_export, wind
     ids = rng.integers(0, 300, n)
     hidden = mtp_hidden_in_ref(w, c, residuals)
     levels = []  # each chained level's logits, as the runtime drafts them
-    run = rt._run
-    rt._run = lambda *a, **k: (lambda out: levels.append(out["logits"][0].copy()) or out)(run(*a, **k))
+    run = rt._call  # every call of the drafter graph
+    rt._call = lambda *a, **k: (lambda out: levels.append(out["logits"][0].copy()) or out)(run(*a, **k))
     for t in (0, 4, 9, 14):
         rt.reset()
         for r in range(t + 1):
@@ -322,6 +322,7 @@ def test_training_unroll_is_the_runtime_drafter_with_its_window(mtp_export, wind
         first = rt._logits.copy()
         levels.clear()
         chain, _ = rt.propose(int(ids[t + 1]), top_k=1, depth=depth, total_tokens=depth)
+        assert len(levels) == depth - 1  # each chained level's call was seen
         forced = np.concatenate([ids[: t + 2], chain[:-1]])   # the chain's own tokens as ground truth
         padded = np.zeros((len(forced), c.hidden_size), np.float32)
         padded[: t + 1] = hidden[: t + 1]

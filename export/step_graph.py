@@ -36,7 +36,7 @@ from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.kernels.attention import MASKED, emit_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select
-from hybrid_npu.kernels.delta_rule import SLICE_END, SOLVE_BLOCK
+from hybrid_npu.kernels.delta_rule import SOLVE_BLOCK, emit_solve_eye_blocks
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.rope import emit_partial_rope
 
@@ -319,8 +319,7 @@ class _Builder:
                 strict = g.op("Sub", m, g.op("Mul", m, eye))
                 self.eye = eye  # the any-count core's solve: over SOLVE_BLOCK nodes, its two diagonal blocks
                 if self.cases[0][1] is None and self.cases[0][0][1] > SOLVE_BLOCK:
-                    top = g.slice(g.slice(eye, 0, SOLVE_BLOCK, 0), 0, SOLVE_BLOCK, 1)
-                    self.eye = (top, g.slice(g.slice(eye, SOLVE_BLOCK, SLICE_END, 0), SOLVE_BLOCK, SLICE_END, 1))
+                    self.eye = emit_solve_eye_blocks(g, eye)
             else:
                 strict = g.op("Mul", m, g.const(1.0 - np.eye(n, dtype=np.float32)))
             self.masks = (m, g.transpose(m, [1, 0]), strict)

@@ -124,6 +124,24 @@ SOLVE_BLOCK = 8  # the masked solve's diagonal blocks; a core for any count take
 SLICE_END = 2**62  # a Slice's end past any row: to the end, whatever the count
 
 
+def emit_solve_eye_blocks(g: GraphBuilder, eye: str) -> tuple[str, str]:
+    """The call's [n, n] identity as emit_unit_lower_solve takes it for up to 2·SOLVE_BLOCK nodes: its
+    first SOLVE_BLOCK rows and columns, and the rest (empty in a smaller call)."""
+    b = SOLVE_BLOCK
+    return g.slice(g.slice(eye, 0, b, 0), 0, b, 1), g.slice(g.slice(eye, b, SLICE_END, 0), b, SLICE_END, 1)
+
+
+def _emit_block_inverse(g: GraphBuilder, a: str, eye: str, size: int) -> str:
+    """(I + a)⁻¹ of strictly lower-triangular blocks of up to `size` rows: (I-N)(I+N²)...(I+N^(size/2)),
+    N = a, exact since N^size = 0."""
+    neg = g.op("Neg", a)
+    inv, power = g.op("Add", eye, neg), neg
+    for _ in range(int(math.log2(size)) - 1):
+        power = g.matmul(power, power)
+        inv = g.matmul(inv, g.op("Add", eye, power))
+    return inv
+
+
 def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int | None, dv: int, block: int = SOLVE_BLOCK,
                           eye: str | tuple[str, str] | None = None) -> str:
     """U = (I + A)⁻¹ R for A [H, n, n] strictly lower-triangular, R [H, n, dv].
@@ -141,19 +159,13 @@ def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int | 
         if eye is None:
             raise ValueError("a solve for any count needs the call's identity (eye)")
 
-        def block_inverse(a: str, i: str) -> str:
-            inv, power = g.op("Sub", i, a), g.op("Neg", a)
-            for _ in range(int(math.log2(block)) - 1):
-                power = g.matmul(power, power)
-                inv = g.matmul(inv, g.op("Add", i, power))
-            return inv
         if isinstance(eye, str):
-            return g.matmul(block_inverse(A, eye), R)
+            return g.matmul(_emit_block_inverse(g, A, eye, block), R)
         head = lambda t, axis: g.slice(t, 0, block, axis)  # noqa: E731  (clamped: every row of a smaller call)
         tail = lambda t, axis: g.slice(t, block, SLICE_END, axis)  # noqa: E731
-        u_top = g.matmul(block_inverse(head(head(A, 1), 2), eye[0]), head(R, 1))
+        u_top = g.matmul(_emit_block_inverse(g, head(head(A, 1), 2), eye[0], block), head(R, 1))
         rhs = g.op("Sub", tail(R, 1), g.matmul(head(tail(A, 1), 2), u_top))
-        u_low = g.matmul(block_inverse(tail(tail(A, 1), 2), eye[1]), rhs)
+        u_low = g.matmul(_emit_block_inverse(g, tail(tail(A, 1), 2), eye[1], block), rhs)
         return g.op("Concat", u_top, u_low, axis=1)
     if n == 1:
         return R
@@ -166,13 +178,7 @@ def emit_unit_lower_solve(g: GraphBuilder, A: str, R: str, heads: int, n: int | 
     eye_blocks = np.eye(nb, dtype=np.float32).reshape(1, nb, 1, nb, 1)
     diag = g.op("ReduceSum", g.op("Mul", g.reshape(A, [heads, nb, b, nb, b]), g.const(eye_blocks)),
                 g.ints([3]), keepdims=0)  # [H, nb, b, b]
-    eye_b = g.const(np.eye(b, dtype=np.float32))
-    neg = g.op("Neg", diag)
-    inv = g.op("Add", eye_b, neg)
-    power = neg
-    for _ in range(int(math.log2(b)) - 1):
-        power = g.matmul(power, power)
-        inv = g.matmul(inv, g.op("Add", eye_b, power))
+    inv = _emit_block_inverse(g, diag, g.const(np.eye(b, dtype=np.float32)), b)
     inv_blocks = g.split(inv, [1] * nb, axis=1) if nb > 1 else [inv]
     r_blocks = g.split(R, [b] * nb, axis=1) if nb > 1 else [R]
     solved: list[str] = []

@@ -282,9 +282,8 @@ class Eagle3Drafter:
                              rope[1][level: level + 1]), masks[level: level + 1], *past, ROW_0)
             at = base + level
             self.key[:, at: at + 1], self.value[:, at: at + 1] = out["new_key"], out["new_value"]
-            if level < length - 2:
-                past[0][:, rows + level: rows + level + 1] = out["new_key"]
-                past[1][:, rows + level: rows + level + 1] = out["new_value"]
+            past[0][:, rows + level: rows + level + 1] = out["new_key"]
+            past[1][:, rows + level: rows + level + 1] = out["new_value"]
             token, hidden = int(np.argmax(out["logits"][0])), out["hidden"][:1]
             tokens.append(token)
         return [int(t) for t in self.draft_to_target[tokens]], [-1] + list(range(length - 1))

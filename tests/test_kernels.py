@@ -212,8 +212,7 @@ def test_unit_lower_solve_for_any_count_is_exact_at_every_count(most):
     a, rr = g.input("A", np.float32, [4, "n", "n"]), g.input("R", np.float32, [4, "n", 4])
     eye = g.op("EyeLike", g.op("Gather", a, g.const(np.int64(0), np.int64), axis=0))
     if most > b:
-        end = delta_rule.SLICE_END
-        eye = (g.slice(g.slice(eye, 0, b, 0), 0, b, 1), g.slice(g.slice(eye, b, end, 0), b, end, 1))
+        eye = delta_rule.emit_solve_eye_blocks(g, eye)
     g.output(delta_rule.emit_unit_lower_solve(g, a, rr, 4, None, 4, eye=eye), "U", np.float32, [4, "n", 4])
     sess = ort.InferenceSession(g.model({}).SerializeToString(), providers=["CPUExecutionProvider"])
     for n in range(1, most + 1):

@@ -36,6 +36,7 @@ from matmul_ceiling import ceiling  # noqa: E402
 from random_checkpoint import make_random_checkpoint  # noqa: E402
 
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
+from hybrid_npu.errors import UserError  # noqa: E402
 import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --out)
 
 
@@ -101,6 +102,10 @@ def parse_mode(mode: str) -> tuple[str, dict]:
             raise ValueError(f"unknown option {option!r} in weight mode {mode!r}; use -headN or -bN")
         kw[flags[m.group(1)]] = int(m.group(2))
     return weights, kw
+
+
+def export_dir(workdir: Path, mode: str) -> Path:
+    return workdir / ("qwen35-0.8b-export" if mode == "float" else f"qwen35-0.8b-export-{mode}")
 
 
 def export_mode(src: Path, out: Path, mode: str) -> Path:
@@ -221,6 +226,11 @@ def main() -> int:
             if not gguf.is_file():
                 ap.error(f"GGUF {gguf} not found; make it with scripts/make_gguf.py")
 
+    for mode in filter(None, args.weights.split(",")):  # refused after llama-bench's rows, it lost them
+        if export_dir(args.workdir, mode).is_symlink():
+            ap.error(f"{export_dir(args.workdir, mode)} is a link; each run exports afresh into its own directory: "
+                     "remove the link or give another --workdir")
+
     src = make_random_checkpoint("0.8B", args.workdir / "qwen35-0.8b-random")
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 200_000, args.prefill)]
     result = {
@@ -237,9 +247,15 @@ def main() -> int:
             ap.error(f"{e}; check the GGUF was made by scripts/make_gguf.py with the same llama.cpp build")
         result.setdefault("llama_cpp", []).append(row)
     for mode in filter(None, args.weights.split(",")):
-        out = args.workdir / ("qwen35-0.8b-export" if mode == "float" else f"qwen35-0.8b-export-{mode}")
+        out = export_dir(args.workdir, mode)
         row = "hybrid_npu_cpu" if mode == "float" else f"hybrid_npu_cpu_{mode}"
-        result[row] = fresh_process(bench_ours, export_mode(src, out, mode), args.threads, prompt, args.decode)
+        try:
+            exported = export_mode(src, out, mode)
+        except UserError as e:  # the rows measured so far are kept in --out
+            bench_json.emit(result, args.out)
+            print(f"bench_cpu.py: error: {e}", file=sys.stderr)
+            return 2
+        result[row] = fresh_process(bench_ours, exported, args.threads, prompt, args.decode)
         result[row]["decode_session_gb"] = fresh_process(decode_session_gb, out)
         if mode != "float":
             bound = fresh_process(ceiling, out, args.threads)

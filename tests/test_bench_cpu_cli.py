@@ -34,6 +34,17 @@ def test_missing_gguf_is_one_line(tmp_path):
     assert len(run.stderr.strip().splitlines()) == 1 and "absent.gguf" in run.stderr
 
 
+def test_linked_export_dir_is_one_line_before_anything_runs(tmp_path):
+    """A link where a mode's export goes was refused by the export after llama-bench's rows had run,
+    with a traceback; now it is one line before anything is built."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "qwen35-0.8b-export-int4").symlink_to(tmp_path / "elsewhere")
+    run = _run("--weights", "int4", cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "qwen35-0.8b-export-int4" in run.stderr
+    assert not (tmp_path / "qwen35-0.8b-random").exists()  # no checkpoint built first
+
+
 def test_llama_bench_rows():
     from bench_cpu import llama_bench_rows
 

@@ -227,8 +227,8 @@ def main() -> int:
                 ap.error(f"GGUF {gguf} not found; make it with scripts/make_gguf.py")
 
     for mode in filter(None, args.weights.split(",")):  # refused after llama-bench's rows, it lost them
-        if export_dir(args.workdir, mode).is_symlink():
-            ap.error(f"{export_dir(args.workdir, mode)} is a link; each run exports afresh into its own directory: "
+        if (out := export_dir(args.workdir, mode)).is_symlink():
+            ap.error(f"{out} is a link; each run exports afresh into its own directory: "
                      "remove the link or give another --workdir")
 
     src = make_random_checkpoint("0.8B", args.workdir / "qwen35-0.8b-random")
@@ -251,7 +251,7 @@ def main() -> int:
         row = "hybrid_npu_cpu" if mode == "float" else f"hybrid_npu_cpu_{mode}"
         try:
             exported = export_mode(src, out, mode)
-        except UserError as e:  # the rows measured so far are kept in --out
+        except UserError as e:  # the rows measured so far are kept (stdout and --out)
             bench_json.emit(result, args.out)
             print(f"bench_cpu.py: error: {e}", file=sys.stderr)
             return 2

@@ -5,16 +5,24 @@ keeps running estimates of
   - the cost of a plain decode step, t_dec,
   - the cost of a round: a fixed part (verify, commit, observe) per verify size and a draft cost
     per level, and
-  - the per-token acceptance rate a of the drafter (a chain of depth d then emits
-    E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a) tokens, the bonus included).
+  - how the drafter's drafts are accepted, as two rates: p, that a round's first draft is, and q,
+    that a draft right after an accepted one is (a chain of depth d then emits
+    E(d) = 1 + p (1 + q + ... + q^(d-1)) tokens, the bonus included; with q = p the geometric
+    1 + a + ... + a^d of a single rate).
 Each cost is the median of its last `window` measurements: robust to what a shared machine does
 (a call now and then several times slower) and to a session's slow first call, without the
 optimism of a running minimum. Measured on the embedded pair: a plain average let one slow first
 decode step hold speculation on for a whole reply; a fast-down/slow-up average (a near-minimum)
 rated the noisier rounds too cheap and speculated where plain decoding was faster.
 For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best depth, or a plain
-step when no depth wins. The acceptance estimate is the geometric one with censoring: a round of
-depth d that accepted A drafts saw A successes and, when A < d, one failure.
+step when no depth wins. Each rate is counted with censoring: a round of depth d that accepted A
+drafts saw, for p, one success (A > 0) or one failure, and for q, A - 1 successes and, when
+0 < A < d, one failure. Two rates because a drafter's acceptance comes in runs: one rate read off
+the drafter's guesses (depth-1 drafts, they measure p only) said 0.6-0.75 a token where the same
+drafter's 14-deep chains accepted 8-10 drafts, and after a long document the policy decoded
+plainly where rounds ran 1.44x plain (embedded pair, Zen 3, docs/speculation.md). q has a
+pseudo-count of p (with no evidence of its own it is p) and, unlike p, is kept across contexts: how
+long a drafter's runs are is the drafter's, what it guesses first is the text's.
 
 A cost is kept only when the step before was of the same kind, in the same reply: the first plain
 step after rounds (and the first round after plain steps) runs with the other session's weights in
@@ -105,8 +113,15 @@ class SpecPolicy:
     #                                                    round or a guess call (the drafter's session ran)
     _cold_round: deque = field(default_factory=deque)  # a round's excess over its estimate right after plain steps
     _fixed: dict = field(default_factory=dict)    # verify size -> round costs besides the draft
-    successes: float = 0.0                        # decayed acceptance counts
+    successes: float = 0.0                        # decayed acceptance counts: a round's first draft, or a guess (p)
     failures: float = 0.0
+    run_successes: float = 0.0                    # ... a draft right after an accepted one (q)
+    run_failures: float = 0.0
+    runs: bool = True                             # two rates (p, q); False: one rate over every draft (geometric)
+    run_prior_weight: float = 4.0                 # at a far context q's evidence shrinks to this many drafts: a
+    #                                               prior the new context's rounds soon outweigh (kept whole, the
+    #                                               ~60 drafts' worth behind a 1,500-token reply's q of 0.9 held 14-deep
+    #                                               chains for ~15 rounds after 6,000 tokens, where 2 of 3 are accepted)
     _round_tokens: float = 0.0                    # what rounds emitted and took, decayed as the counts are: their
     _round_seconds: float = 0.0                   # realised rate, which wide_margin is judged by
     # bookkeeping
@@ -185,13 +200,20 @@ class SpecPolicy:
         return m
 
     def acceptance(self) -> float:
-        """Per-token acceptance rate; 0.5 (no evidence either way) before any round."""
+        """p: that a round's first draft is accepted; 0.5 (no evidence either way) before any round."""
         n = self.successes + self.failures
         return 0.5 if n == 0 else self.successes / n
 
+    def continuation(self, p: float | None = None) -> float:
+        """q: that a draft right after an accepted one is accepted, with one pseudo-count of p (p itself
+        with no evidence of its own, as the one rate when runs is off)."""
+        p = self.acceptance() if p is None else p
+        return (self.run_successes + p) / (self.run_successes + self.run_failures + 1.0)
+
     def expected_tokens(self, depth: int) -> float:
-        a = self.acceptance()
-        return depth + 1.0 if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+        p = self.acceptance()
+        q = self.continuation(p)
+        return 1.0 + p * (depth if q >= 1.0 else (1.0 - q ** depth) / (1.0 - q))
 
     def _nodes(self, depth: int) -> int:
         if self._graphs is not None:
@@ -273,7 +295,8 @@ class SpecPolicy:
     def _estimates(self, costs: tuple) -> tuple:
         """What best_depth reads besides the unit: the round costs, the acceptance evidence, each
         depth's verify graph."""
-        return (costs[0], costs[1], self.successes, self.failures, self._depth_graphs())
+        return (costs[0], costs[1], self.successes, self.failures, self.run_successes, self.run_failures,
+                self._depth_graphs())
 
     def _depth_graphs(self) -> tuple:
         """Each depth's verify graph: the decision's own (choose) or asked now."""
@@ -362,8 +385,9 @@ class SpecPolicy:
         going where plain decoding won (measured in scripts/bench_speculative.py's sweep). What they
         were relative to the decode step stays as a prior (_costs) until they are; with a guessing
         drafter the reply then starts plainly and the drafter's guesses decide whether rounds are
-        worth measuring at all, and the acceptance evidence starts over (what a drafter accepts
-        depends on the text; the guesses measure it within guess_every steps). Without guesses the
+        worth measuring at all, and the evidence for p starts over (what a drafter guesses first
+        depends on the text; the guesses measure it within guess_every steps), while q, how far
+        its runs go once a draft is accepted, stays to read the guesses with. Without guesses the
         acceptance evidence stays: it decays round by round."""
         far = self._context is not None and abs(tokens - self._context) > max(512, self._context // 2)
         self._version += 1
@@ -384,8 +408,12 @@ class SpecPolicy:
             # plain reply (acceptance 0.23 there, guesses asked every 256 steps) the next short chat
             # replies (95 tokens) asked no guesses, or 8 weighed against the document's, and stayed
             # plain where rounds paid 1.15x (embedded pair, scripts/bench_speculative.py's sweep)
-            if self._await_guesses:
+            if self._await_guesses:  # (q stays: guesses are first drafts and cannot measure it)
                 self.successes = self.failures = 0.0
+            weight = self.run_successes + self.run_failures
+            if weight > self.run_prior_weight:  # q's value, at a prior's weight
+                self.run_successes *= self.run_prior_weight / weight
+                self.run_failures *= self.run_prior_weight / weight
             self._round_tokens = self._round_seconds = 0.0
             self._plain_run = 0
             self._decode.clear()
@@ -448,8 +476,14 @@ class SpecPolicy:
         (embedded pair, 12k tokens of source: acceptance length 1.0-1.3)."""
         # Laplace's rule: one accepted draft is not yet a drafter that is always right (with the raw
         # rate, the first measuring round's success sent the second to full depth)
-        a = (self.successes + 1.0) / (self.successes + self.failures + 2.0)
-        return max(1, min(self.max_depth, int(math.log(0.5) / math.log(a))))
+        p = (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+        q = self.continuation(p)
+        if p < 0.5:
+            return 1
+        if q >= 1.0:
+            return self.max_depth
+        # the deepest d with p q^(d-1) >= 1/2 (with q = p: a^d >= 1/2)
+        return max(1, min(self.max_depth, 1 + int(math.log(0.5 / p) / math.log(q) + 1e-9)))
 
     def _choose(self) -> int:
         if self._await_guesses and self._plain_run < 2 * self.guess_every:  # (no guesses came: measure)
@@ -493,7 +527,7 @@ class SpecPolicy:
 
     def _signature(self) -> tuple:
         """Everything _choose reads besides the length of the plain run."""
-        return (self._version, self.successes, self.failures, self._last, self._guessed, self._await_guesses,
+        return (self._version, self.successes, self.failures, self.run_successes, self.run_failures, self._last, self._guessed, self._await_guesses,
                 self._refreshing, self._probe_depth, self._probe_interval, self.guessing, self._graphs)
 
     def _hold_plain(self, worth: bool) -> None:
@@ -588,8 +622,16 @@ class SpecPolicy:
             self._add(self._cold_round, max(draft_s + rest_s - estimate, 0.0))
         self._last, self._guessed, self.guess_interval = "round", False, self.guess_every
         self._after_break, self._after_other = False, True
-        self.successes = self.keep * self.successes + min(accepted, depth)
-        self.failures = self.keep * self.failures + (accepted < depth)
+        accepted = min(accepted, depth)
+        if not self.runs:  # one rate: every draft a trial of it
+            self.successes = self.keep * self.successes + accepted
+            self.failures = self.keep * self.failures + (accepted < depth)
+        else:
+            self.successes = self.keep * self.successes + (accepted > 0)
+            self.failures = self.keep * self.failures + (accepted == 0)
+            if accepted and depth > 1:  # the drafts after the first accepted one: q's trials
+                self.run_successes = self.keep * self.run_successes + accepted - 1
+                self.run_failures = self.keep * self.run_failures + (accepted < depth)
         self._round_tokens = self.keep * self._round_tokens + min(accepted, depth) + 1
         self._round_seconds = self.keep * self._round_seconds + draft_s + rest_s
         self._spec_run += 1

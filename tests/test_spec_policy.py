@@ -68,10 +68,10 @@ def test_rounds_far_ahead_of_plain_refresh_the_decode_cost_less_often():
     # 35 ms a round: 2.0x while a plain step costs 10 ms; from the 15th plain step on it costs 6.5 (1.3x)
     narrowed = round_runs(29 * MS, lambda k: 10 * MS if k < 14 else 6.5 * MS)
     assert narrowed[:4] == [2, 4, 8, 16] and set(narrowed[4:-1]) == {16}
-    # judged by what the rounds emitted: every round of 6 stops at its last draft (6 tokens for 30 ms,
-    # 2.0x plain), where the censored geometric estimate (5 of 6 a round: a = 0.83) reads 1.44x
+    # judged by what the rounds emitted: every round of 6 stops at its last draft (6 tokens for 32 ms,
+    # 1.9x plain), where the estimate (first drafts all accepted, p = 1; then 4 of 5, q = 0.8) reads 1.47x
     p = SpecPolicy(6, refresh_every=16)
-    dec = drive(p, 400, 10 * MS, 1 * MS, 24 * MS, lambda d, k: d - 1 if k >= 2 else d)
+    dec = drive(p, 400, 10 * MS, 1 * MS, 26 * MS, lambda d, k: d - 1 if k >= 2 else d)
     assert p.best_depth()[1] * p.decode_s < 1.5 < p._round_tokens / p._round_seconds * p.decode_s
     assert [n for kind, n in runs(dec)[2:] if kind == "r"][:6] == [2, 4, 8, 16, 32, 64]
 
@@ -235,28 +235,51 @@ def test_a_cost_right_after_the_other_kind_of_step_is_not_kept():
     assert p.decode_s == pytest.approx(10 * MS) and p.round_cost(6) == pytest.approx(21 * MS)
 
 
-def expected_tokens(a, d):
-    """Tokens a chain of d drafts emits when each is accepted with probability a (bonus included):
-    sum over k = accepted drafts of P(k) (k + 1)."""
-    probs = [a ** k * (1 - a) for k in range(d)] + [a ** d]
-    return sum(p * (k + 1) for k, p in enumerate(probs))
+def expected_tokens(p, q, d):
+    """Tokens a chain of d drafts emits when its first is accepted with probability p and each later
+    one, after an accepted one, with q (bonus included): sum over k = accepted drafts of P(k) (k + 1)."""
+    probs = [1 - p] + [p * q ** (k - 1) * (1 - q) for k in range(1, d)] + [p * q ** (d - 1)]
+    return sum(pk * (k + 1) for k, pk in enumerate(probs))
 
 
+@pytest.mark.parametrize("pq", [(0.5, 0.5), (0.7, 0.9), (0.9, 0.3)])
 @pytest.mark.parametrize("fixed_ms,draft_ms,decode_ms", [(4, 2, 5), (4, 0.2, 5), (20, 1, 5), (3, 1, 8)])
-def test_it_picks_the_depth_with_the_best_rate_or_plain(fixed_ms, draft_ms, decode_ms):
-    """Acceptance 1/2 exactly (a depth-2 round accepting one draft): the chosen depth is the argmax of
-    expected tokens per second, computed here from the distribution of accepted drafts; plain when
-    no depth beats one token per decode step."""
+def test_it_picks_the_depth_with_the_best_rate_or_plain(fixed_ms, draft_ms, decode_ms, pq):
+    """The chosen depth is the argmax of expected tokens per second, computed here from the
+    distribution of accepted drafts at the policy's two rates; plain when no depth beats one token
+    per decode step. (0.5, 0.5): one rate, the geometric case."""
     p = SpecPolicy(6)
     for _ in range(2):  # the second of each kind is the one kept
         p.record_plain(decode_ms * MS)
     for _ in range(2):
         p.record_round(2, 1, 2 * draft_ms * MS, fixed_ms * MS)
-    assert p.acceptance() == pytest.approx(0.5)
-    rates = {d: expected_tokens(0.5, d) / ((fixed_ms + d * draft_ms) * MS) for d in range(1, 7)}
+    first, then = pq  # counts giving p = first and, with p's pseudo-count, q = then
+    p.successes, p.failures = 10 * first, 10 * (1 - first)
+    p.run_failures = 5 * (1 - then)
+    p.run_successes = (then * (p.run_failures + 1) - first) / (1 - then)
+    assert p.acceptance() == pytest.approx(first) and p.continuation() == pytest.approx(then)
+    rates = {d: expected_tokens(first, then, d) / ((fixed_ms + d * draft_ms) * MS) for d in range(1, 7)}
     best = max(rates, key=rates.get)
     want = best if rates[best] * decode_ms * MS > 1 else 0
     assert p.plan() == want
+    assert p.expected_tokens(6) == pytest.approx(expected_tokens(first, then, 6))
+
+
+def test_a_round_counts_its_first_draft_for_p_and_the_rest_for_q():
+    """Censored counts: a round of depth d accepting A drafts is one trial of p (a success when A > 0)
+    and, after an accepted first draft, A - 1 successes of q and one failure when A < d. With runs
+    off, every draft is a trial of one rate (A successes, one failure when A < d)."""
+    for runs_on in (True, False):
+        p = SpecPolicy(6, runs=runs_on)
+        for depth, accepted in ((6, 4), (6, 0), (6, 6), (1, 1)):
+            p.record_round(depth, accepted, 1 * MS, 10 * MS)
+        k = 0.875
+        if runs_on:  # p: 1, 0, 1, 1; q: 3 of 4 (a failure), nothing, 5 of 5, nothing (depth 1)
+            assert p.successes == pytest.approx(k ** 3 + k + 1) and p.failures == pytest.approx(k ** 2)
+            assert p.run_successes == pytest.approx(3 * k + 5) and p.run_failures == pytest.approx(k)
+        else:
+            assert p.successes == pytest.approx(4 * k ** 3 + 6 * k + 1) and p.failures == pytest.approx(k ** 3 + k ** 2)
+            assert p.run_successes == p.run_failures == 0
 
 
 def test_verify_cost_is_kept_per_graph_size():
@@ -341,7 +364,7 @@ def test_guesses_are_acceptance_evidence_and_replace_the_probes():
     they come a policy decoding plainly runs no probe rounds; guesses that say a round pays bring
     speculation back without one."""
     p = SpecPolicy(6, guessing=True, probe_budget=0)
-    dec = drive(p, 6, 10 * MS, 1 * MS, 30 * MS, lambda d, k: min(d, 1))  # rounds that do not pay, then plain
+    dec = drive(p, 6, 10 * MS, 1 * MS, 30 * MS, lambda d, k: 0 if k else 1)  # rounds that do not pay, then plain
     assert dec[:2] != [0, 0] and dec[-1] == 0
     before = p.acceptance()
     for _ in range(12):  # 192 plain steps, guesses every 16, none right: no probe at 8, 16, 32, 64, ...
@@ -766,3 +789,47 @@ def test_a_replys_first_round_after_a_break_is_not_kept():
     p.record_plain(50 * MS)              # a reply's first plain step: not kept either
     p.record_plain(9 * MS)
     assert list(p._decode) == [10 * MS, 9 * MS]
+
+
+def test_guesses_are_read_with_the_runs_the_rounds_showed():
+    """A drafter whose chains run long (9 of 14 drafts a round) and whose first guesses hit 0.7 a token:
+    one rate read off the guesses (0.7) puts a 14-deep round at 3.3 tokens, under plain decoding's
+    rate, and after a far context the policy stayed plain (embedded pair after 1,500 tokens on a Zen
+    3: 2 of 3 replies ran no round where speculating every step ran 1.44x plain). With q kept from
+    the rounds before, the same guesses put a round at ~6 tokens and the policy speculates again;
+    a drafter whose rounds never ran on (1 of 14) stays plain after the same guesses."""
+    guesses = [True, True, False, True, True, False, True, False, True, True] * 2  # 0.7
+    plain_ms, level_ms, fixed_ms = 2.0, 0.25, 7.0  # the embedded pair's chat on the Zen 3, roughly
+
+    def after_far_context(runs_on, accepted):
+        p = SpecPolicy(14, guessing=True, runs=runs_on)
+        p.note_context(500)
+        drive(p, 60, plain_ms * MS, level_ms * MS, fixed_ms * MS, lambda d, k: min(d, accepted))
+        p.note_context(1500)  # far: plain steps until the guesses judge rounds
+        start = len(p.decisions)
+        drive(p, 32, 1.15 * plain_ms * MS, level_ms * MS, 1.15 * fixed_ms * MS, lambda d, k: min(d, accepted))
+        assert not any(list(p.decisions)[start:])
+        p.record_guesses(guesses)
+        drive(p, 64, 1.15 * plain_ms * MS, level_ms * MS, 1.15 * fixed_ms * MS, lambda d, k: min(d, accepted))
+        return sum(1 for d in list(p.decisions)[start:] if d)
+    assert after_far_context(True, 9) >= 8  # rounds again, and they go on
+    assert after_far_context(False, 9) == 0  # one rate: the guesses alone, plain
+    assert after_far_context(True, 1) == 0
+
+
+def test_a_far_context_keeps_q_as_a_light_prior():
+    """q survives a far context at its value but with the weight of run_prior_weight drafts, so the
+    new context's own rounds move it within a few rounds: after long runs (13 of 14), rounds that
+    accept 3 of 14 bring q under 0.8 within three rounds."""
+    p = SpecPolicy(14)
+    for _ in range(20):
+        p.record_round(14, 13, 3 * MS, 7 * MS)
+    q_before = p.continuation()
+    assert q_before > 0.9 and p.run_successes + p.run_failures > 50
+    p.note_context(500)
+    p.note_context(6000)
+    assert p.continuation() == pytest.approx(q_before, abs=0.03)
+    assert p.run_successes + p.run_failures == pytest.approx(p.run_prior_weight)
+    for _ in range(3):
+        p.record_round(14, 3, 3 * MS, 7 * MS)
+    assert p.continuation() < 0.8

@@ -22,7 +22,12 @@ of the same prompt: mismatches are counted in the JSON over every repeat (one wo
     python scripts/bench_speculative.py [--model EXPORT] [--prompts 16] [--new 128] [--threads 2]
         [--contexts 24,500,1500,6000,12000] [--context-new 96] [--context-prompts 4] [--repeats 2]
         [--drafter eagle3,mtp]
-        [--modes adaptive,always] [--chain-depths 6,14]
+        [--modes adaptive,always] [--chain-depths 6,14] [--policy-b runs=0]
+
+--policy-b: a second adaptive arm, "adaptive_b", on its own engine whose policy takes these
+SpecPolicy settings (FIELD=NUMBER,...; scripts/ab_spec_policy.py's form): a policy change paired
+against the default across the contexts in sequence, the far-context switches between them
+included, which ab_spec_policy.py's one context at a time does not meet.
 
 --drafter: the drafter kinds the export ships to compare side by side (one engine each, the same
 target graphs; runs interleaved with plain ones); rows are then named KIND_SHAPE_MODE. Without it,
@@ -170,6 +175,17 @@ def paired(rates: list[float], plain: list[float]) -> dict:
     return {"paired_vs_plain": round(statistics.median(ratios), 3), "paired_ratios": [round(x, 3) for x in ratios]}
 
 
+def b_against_a(rows: dict, per_repeat: dict) -> None:
+    """--policy-b: each B arm's per-repeat rate over its A arm's (the default policy's, same shape,
+    same repeat), their median, in the B row as "paired_vs_a": the two policies against each other
+    with plain decoding's own drift left out."""
+    for name, row in rows.items():
+        if name.endswith("adaptive_b") and name[:-2] in per_repeat:
+            ratios = [b / a for b, a in zip(per_repeat[name], per_repeat[name[:-2]])]
+            row["paired_vs_a"] = round(statistics.median(ratios), 3)
+            row["ratios_vs_a"] = [round(x, 3) for x in ratios]
+
+
 def own_paired(mode: list, plain: list) -> dict:
     """Each repeat's vs_own_plain_steps over plain's in the same repeat (a plain reply's own reads below
     1 by its loop and by its steps' skew), their median: the rate against plain decoding from
@@ -203,7 +219,11 @@ def main() -> int:
                     help="chat rows: one chain per depth (e.g. 6,14) instead of the export's recorded chain")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=["adaptive", "always"],
                     help="speculative modes beside plain (default: adaptive,always)")
+    ap.add_argument("--policy-b", help="SpecPolicy settings of a second adaptive arm, e.g. runs=0")
     args = ap.parse_args()
+    if args.policy_b and args.drafter:
+        print("bench_speculative: --policy-b takes the export's default drafter; leave out --drafter", file=sys.stderr)
+        return 2
     if not args.modes or set(args.modes) - {"adaptive", "always"}:
         print(f"bench_speculative: --modes {','.join(args.modes)}: give adaptive, always or both", file=sys.stderr)
         return 2
@@ -212,6 +232,13 @@ def main() -> int:
         return 2
     import hybrid_npu
     from hybrid_npu.errors import UserError
+    if args.policy_b:
+        from ab_spec_policy import settings
+        try:
+            overrides = settings(args.policy_b)
+        except UserError as e:
+            print(f"bench_speculative: --policy-b {e}", file=sys.stderr)
+            return 2
 
     model = args.model or hybrid_npu.default_model()
     try:
@@ -223,15 +250,24 @@ def main() -> int:
     if engine.drafter is None:
         print("bench_speculative: the model has no drafter/", file=sys.stderr)
         return 2
+    engine_b = None
+    if args.policy_b:
+        from hybrid_npu.runtime.spec_policy import SpecPolicy
+        engine_b = hybrid_npu.load(model, threads=args.threads)
+        engine_b.make_policy = lambda e: SpecPolicy(e.draft_shape["depth"], verify_nodes=e.verify_graph,
+                                                    verify_graphs=e.verify_graphs, **overrides)
     prefix = {kind: f"{kind}_" if args.drafter else "" for kind in engines}
     prompts = held_out_prompts(args.prompts)
     result = {"machine": machine(), "load_average_at_start": os.getloadavg(), "threads": args.threads,
               "note": "machine shared with other jobs; modes interleaved per repeat, best repeat kept",
-              "repeats": args.repeats, "greedy": True, "chat": {}, "context": []}
+              "repeats": args.repeats, "greedy": True, "chat": {}, "context": [], "policy_b": args.policy_b}
     chat_shape_sets = {kind: chat_shapes(engine.manifest, kind, args.chain_depths) for kind in engines}
     chat_modes = [("plain", None, engine), ("plain_again", None, engine)] + [
         (f"{prefix[kind]}{name}_{mode}", (shape, mode), e)
         for kind, e in engines.items() for name, shape in chat_shape_sets[kind].items() for mode in args.modes]
+    if engine_b is not None:
+        chat_modes += [(f"{name}_adaptive_b", (shape, "adaptive"), engine_b)
+                       for name, shape in chat_shape_sets[None].items()]
     best: dict = {}
     per_repeat: dict = {}
     own: dict = {}  # each repeat's vs_own_plain_steps
@@ -257,6 +293,7 @@ def main() -> int:
             row["mismatched_prompts"] = mismatched[name]
         row["vs_plain"] = round(row["decode_tokens_per_s"] / best["plain"]["decode_tokens_per_s"], 2)
         row.update(paired(per_repeat[name], per_repeat["plain"]), **own_paired(own[name], own["plain"]))
+    b_against_a(best, per_repeat)
     result["chat"] = {"prompts": len(prompts), "new_tokens_per_prompt": args.new, "rows": best}
     print(json.dumps(result["chat"]), file=sys.stderr, flush=True)
     # after long contexts: the embedded default draft shape (its manifest's) for the default drafter
@@ -274,6 +311,8 @@ def main() -> int:
         reference = None
         runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [
             (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in args.modes]
+        if engine_b is not None:
+            runs.append(("adaptive_b", "adaptive", engine_b, None))
         for r in range(args.repeats):
             for name, mode, e, kind in rotated(runs, r):
                 if mode != "plain":
@@ -293,6 +332,7 @@ def main() -> int:
                 row["mismatched"] = mismatched[mode]
             row["vs_plain"] = round(row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"], 2)
             row.update(paired(per_repeat[mode], per_repeat["plain"]), **own_paired(own[mode], own["plain"]))
+        b_against_a(rows, per_repeat)
         result["context"].append({"context_tokens": ctx, "contexts": len(contexts[ctx]), "new_tokens": args.context_new,
                                   "rows": rows})
         print(json.dumps(result["context"][-1]), file=sys.stderr, flush=True)

@@ -95,6 +95,25 @@ def test_bench_speculative_refuses_an_unknown_mode_in_one_line(tmp_path):
     assert len(run.stderr.strip().splitlines()) == 1 and "never" in run.stderr
 
 
+def test_bench_speculative_refuses_a_bad_policy_b_in_one_line(tmp_path):
+    for args in (["--policy-b", "no_such_field=1"], ["--policy-b", "runs=yes"],
+                 ["--policy-b", "runs=0", "--drafter", "eagle3"]):
+        run = _script("bench_speculative.py", *args, cwd=tmp_path)
+        assert run.returncode == 2 and run.stdout == ""
+        assert len(run.stderr.strip().splitlines()) == 1 and "--" in run.stderr
+
+
+def test_policy_b_rows_pair_against_their_a_arm_repeat_by_repeat():
+    from bench_speculative import b_against_a
+    rows = {"adaptive": {}, "adaptive_b": {}, "chain_adaptive": {}, "chain_adaptive_b": {}, "always": {}}
+    per_repeat = {"adaptive": [2.0, 4.0, 3.0], "adaptive_b": [1.0, 4.0, 6.0],
+                  "chain_adaptive": [1.0, 1.0], "chain_adaptive_b": [1.5, 0.5], "always": [9.0, 9.0, 9.0]}
+    b_against_a(rows, per_repeat)
+    assert rows["adaptive_b"]["ratios_vs_a"] == [0.5, 1.0, 2.0] and rows["adaptive_b"]["paired_vs_a"] == 1.0
+    assert rows["chain_adaptive_b"]["paired_vs_a"] == 1.0  # (1.5 + 0.5) / 2
+    assert "paired_vs_a" not in rows["adaptive"] and "paired_vs_a" not in rows["always"]
+
+
 def test_batch_invariance_refuses_too_few_tokens_in_one_line(tmp_path):
     run = _script("batch_invariance.py", "--model", str(tmp_path), "--tokens", "2", cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""

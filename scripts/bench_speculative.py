@@ -17,7 +17,10 @@ order of the modes by one): one 96-token reply here varies by
 ±15-20% from one run to the next even on a quiet machine, so a best-of ratio of a few repeats can
 land anywhere in that band, where the median of the pairs is steadier. "own_vs_plain" reads
 the same from inside the replies (vs_own_plain_steps, below), paired the same way. Every speculative output is checked against the plain greedy output
-of the same prompt: mismatches are counted in the JSON over every repeat (one would be a bug: speculation is lossless).
+of the same prompt: mismatches are counted in the JSON over every repeat, each with where it parted
+and by how much plain decoding preferred its own token there ("divergences"): a mismatch on a
+near-tie (two logits within float rounding of each other, which the verify's and the decode step's
+rounding may order differently) is "near_tie"; any other would be a bug (speculation is lossless).
 
     python scripts/bench_speculative.py [--model EXPORT] [--prompts 16] [--new 128] [--threads 2]
         [--contexts 24,500,1500,6000,12000] [--context-new 96] [--context-prompts 4] [--repeats 2]
@@ -156,6 +159,38 @@ def run(engine, prompts, new, mode, long_context=False):
     return row, outputs
 
 
+# A greedy reply may part from plain decoding where the plain step's two best logits are closer than
+# the verify and decode paths agree (a few 1e-6 on the embedded model: docs/speculation.md): a tie
+# within float rounding, decided by the rounding. A mismatch is counted as such a near-tie when the
+# speculative token's plain logit is within this of the plain argmax's; any other is a bug.
+NEAR_TIE = 1e-4
+
+
+def divergence(engine, ids: list[int], plain: list[int], spec: list[int]) -> dict:
+    """Where a speculative reply first parts from the plain one, and by how much the plain step there
+    preferred its token: the plain logits at that position, decoded again along the plain reply
+    (untimed), l[plain token] - l[speculative token]."""
+    k = next(j for j, (a, b) in enumerate(zip(plain, spec)) if a != b)
+    engine.reset()
+    logits = engine.prefill(list(ids))
+    for t in plain[:k]:
+        logits = engine._step("decode", [t])
+    engine.reset()
+    gap = float(logits[plain[k]] - logits[spec[k]])
+    return {"token": k, "plain_margin": gap, "near_tie": gap <= NEAR_TIE}
+
+
+def count_mismatches(engine, prompts, outputs, reference, long_context: bool, where: list) -> int:
+    """Replies that are not plain's; each one's divergence appended to `where`."""
+    n = 0
+    for text, out, ref in zip(prompts, outputs, reference):
+        if out != ref:
+            n += 1
+            ids = text if long_context else engine.tokenizer.encode(text).ids
+            where.append(divergence(engine, ids, ref, out))
+    return n
+
+
 def rotated(modes: list, r: int) -> list:
     """Repeat r's order of the modes: the list turned by r, so that no mode always runs in the same
     slot (measured: two identical plain runs back to back, 8 repeats, paired median 0.96; the run
@@ -272,6 +307,7 @@ def main() -> int:
     per_repeat: dict = {}
     own: dict = {}  # each repeat's vs_own_plain_steps
     mismatched: dict = {}  # replies that were not plain's, over every repeat (not only the best one's)
+    divergences: dict = {}  # ... where each parted, and whether on a near-tie (NEAR_TIE)
     reference = None
     for r in range(args.repeats):
         for name, spec, e in rotated(chat_modes, r):
@@ -281,7 +317,8 @@ def main() -> int:
             if name == "plain":
                 reference = outputs
             else:  # plain again must match too: greedy plain decoding is deterministic
-                mismatched[name] = mismatched.get(name, 0) + sum(a != b for a, b in zip(outputs, reference))
+                mismatched[name] = mismatched.get(name, 0) + count_mismatches(
+                    e, prompts, outputs, reference, False, divergences.setdefault(name, []))
                 if spec:
                     row["shape"] = e.draft_shape
             per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
@@ -291,6 +328,7 @@ def main() -> int:
     for name, row in best.items():
         if name != "plain":
             row["mismatched_prompts"] = mismatched[name]
+            row["divergences"] = divergences.get(name, [])
         row["vs_plain"] = round(row["decode_tokens_per_s"] / best["plain"]["decode_tokens_per_s"], 2)
         row.update(paired(per_repeat[name], per_repeat["plain"]), **own_paired(own[name], own["plain"]))
     b_against_a(best, per_repeat)
@@ -307,7 +345,7 @@ def main() -> int:
         return 2
     for ctx in args.contexts:
         rows: dict = {}
-        per_repeat, own, mismatched = {}, {}, {}
+        per_repeat, own, mismatched, divergences = {}, {}, {}, {}
         reference = None
         runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [
             (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in args.modes]
@@ -320,7 +358,8 @@ def main() -> int:
                 row, outputs = run(e, contexts[ctx], args.context_new, mode, long_context=True)
                 reference = outputs if name == "plain" else reference
                 if name != "plain":  # over every repeat; plain again too (greedy plain is deterministic)
-                    mismatched[name] = mismatched.get(name, 0) + sum(a != b for a, b in zip(outputs, reference))
+                    mismatched[name] = mismatched.get(name, 0) + count_mismatches(
+                        e, contexts[ctx], outputs, reference, True, divergences.setdefault(name, []))
                 if mode != "plain":
                     row["shape"] = e.draft_shape
                 per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
@@ -330,6 +369,7 @@ def main() -> int:
         for mode, row in rows.items():
             if mode != "plain":
                 row["mismatched"] = mismatched[mode]
+                row["divergences"] = divergences.get(mode, [])
             row["vs_plain"] = round(row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"], 2)
             row.update(paired(per_repeat[mode], per_repeat["plain"]), **own_paired(own[mode], own["plain"]))
         b_against_a(rows, per_repeat)

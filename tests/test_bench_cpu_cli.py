@@ -114,6 +114,42 @@ def test_policy_b_rows_pair_against_their_a_arm_repeat_by_repeat():
     assert "paired_vs_a" not in rows["adaptive"] and "paired_vs_a" not in rows["always"]
 
 
+def test_a_mismatch_is_placed_and_judged_a_near_tie_only_within_float_rounding():
+    """divergence() decodes the plain reply again to its first differing token and reads how much the
+    plain logits preferred the plain token there: within NEAR_TIE a near-tie, beyond it a bug."""
+    import numpy as np
+    from bench_speculative import NEAR_TIE, divergence
+
+    class Engine:  # logits after the prompt and after each plain token: token t's logit is scripted
+        def __init__(self, margin):
+            self.margin, self.steps, self.resets = margin, [], 0
+
+        def reset(self):
+            self.resets += 1
+
+        def _logits(self):
+            out = np.zeros(8, np.float32)
+            if len(self.steps) == 2:  # at the third new token: plain's 3 against speculation's 5
+                out[3], out[5] = 1.0, 1.0 - self.margin
+            return out
+
+        def prefill(self, ids):
+            self.steps = []
+            return self._logits()
+
+        def _step(self, graph, ids):
+            assert graph == "decode"
+            self.steps += ids
+            return self._logits()
+
+    plain, spec = [1, 2, 3, 4], [1, 2, 5, 6]
+    for margin, tie in ((0.0, True), (NEAR_TIE / 2, True), (0.01, False)):
+        e = Engine(margin)
+        got = divergence(e, [7, 7], plain, spec)
+        assert got["token"] == 2 and e.steps == [1, 2] and got["near_tie"] == tie
+        assert got["plain_margin"] == pytest.approx(margin, abs=1e-7) and e.resets == 2  # left as generate finds it
+
+
 def test_batch_invariance_refuses_too_few_tokens_in_one_line(tmp_path):
     run = _script("batch_invariance.py", "--model", str(tmp_path), "--tokens", "2", cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""

@@ -527,8 +527,9 @@ class SpecPolicy:
 
     def _signature(self) -> tuple:
         """Everything _choose reads besides the length of the plain run."""
-        return (self._version, self.successes, self.failures, self.run_successes, self.run_failures, self._last, self._guessed, self._await_guesses,
-                self._refreshing, self._probe_depth, self._probe_interval, self.guessing, self._graphs)
+        return (self._version, self.successes, self.failures, self.run_successes, self.run_failures, self._last,
+                self._guessed, self._await_guesses, self._refreshing, self._probe_depth, self._probe_interval,
+                self.guessing, self._graphs)
 
     def _hold_plain(self, worth: bool) -> None:
         """_choose answered plain with no probe due: until its inputs change (_signature), the answer
@@ -632,7 +633,7 @@ class SpecPolicy:
             if accepted and depth > 1:  # the drafts after the first accepted one: q's trials
                 self.run_successes = self.keep * self.run_successes + accepted - 1
                 self.run_failures = self.keep * self.run_failures + (accepted < depth)
-        self._round_tokens = self.keep * self._round_tokens + min(accepted, depth) + 1
+        self._round_tokens = self.keep * self._round_tokens + accepted + 1
         self._round_seconds = self.keep * self._round_seconds + draft_s + rest_s
         self._spec_run += 1
         self._plain_run = 0

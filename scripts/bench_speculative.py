@@ -169,8 +169,11 @@ NEAR_TIE = 1e-4
 def divergence(engine, ids: list[int], plain: list[int], spec: list[int]) -> dict:
     """Where a speculative reply first parts from the plain one, and by how much the plain step there
     preferred its token: the plain logits at that position, decoded again along the plain reply
-    (untimed), l[plain token] - l[speculative token]."""
-    k = next(j for j, (a, b) in enumerate(zip(plain, spec)) if a != b)
+    (untimed), l[plain token] - l[speculative token]. A reply that is the other's prefix (one ended
+    early) has no margin and is no near-tie."""
+    k = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    if k >= min(len(plain), len(spec)):
+        return {"token": k, "plain_margin": None, "near_tie": False}
     engine.reset()
     logits = engine.prefill(list(ids))
     for t in plain[:k]:

@@ -148,6 +148,8 @@ def test_a_mismatch_is_placed_and_judged_a_near_tie_only_within_float_rounding()
         got = divergence(e, [7, 7], plain, spec)
         assert got["token"] == 2 and e.steps == [1, 2] and got["near_tie"] == tie
         assert got["plain_margin"] == pytest.approx(margin, abs=1e-7) and e.resets == 2  # left as generate finds it
+    ended = divergence(Engine(0.0), [7], plain, plain[:2])  # one reply stopped early: no margin, no tie
+    assert ended == {"token": 2, "plain_margin": None, "near_tie": False}
 
 
 def test_batch_invariance_refuses_too_few_tokens_in_one_line(tmp_path):

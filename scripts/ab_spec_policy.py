@@ -45,11 +45,12 @@ def settings(text: str) -> dict:
     return out
 
 
-def engine_with(overrides: dict, threads: int, drafter: str | None = None):
+def engine_with(overrides: dict, threads: int, drafter: str | None = None, model=None):
+    """An engine (default: the embedded model) whose speculation policies take `overrides`."""
     import hybrid_npu
     from hybrid_npu.runtime.spec_policy import SpecPolicy
 
-    engine = hybrid_npu.load(hybrid_npu.DEFAULT_MODEL, threads=threads, drafter=drafter)
+    engine = hybrid_npu.load(hybrid_npu.DEFAULT_MODEL if model is None else model, threads=threads, drafter=drafter)
     engine.make_policy = lambda e: SpecPolicy(e.draft_shape["depth"], verify_nodes=e.verify_graph,
                                               verify_graphs=e.verify_graphs, **overrides)
     return engine

@@ -183,15 +183,12 @@ def divergence(engine, ids: list[int], plain: list[int], spec: list[int]) -> dic
     return {"token": k, "plain_margin": gap, "near_tie": gap <= NEAR_TIE}
 
 
-def count_mismatches(engine, prompts, outputs, reference, long_context: bool, where: list) -> int:
-    """Replies that are not plain's; each one's divergence appended to `where`."""
-    n = 0
+def note_mismatches(engine, prompts, outputs, reference, long_context: bool, where: list) -> None:
+    """Each reply that is not plain's: its divergence appended to `where` (their count is the mismatches)."""
     for text, out, ref in zip(prompts, outputs, reference):
         if out != ref:
-            n += 1
             ids = text if long_context else engine.tokenizer.encode(text).ids
             where.append(divergence(engine, ids, ref, out))
-    return n
 
 
 def rotated(modes: list, r: int) -> list:
@@ -271,7 +268,7 @@ def main() -> int:
     import hybrid_npu
     from hybrid_npu.errors import UserError
     if args.policy_b:
-        from ab_spec_policy import settings
+        from ab_spec_policy import engine_with, settings
         try:
             overrides = settings(args.policy_b)
         except UserError as e:
@@ -288,12 +285,7 @@ def main() -> int:
     if engine.drafter is None:
         print("bench_speculative: the model has no drafter/", file=sys.stderr)
         return 2
-    engine_b = None
-    if args.policy_b:
-        from hybrid_npu.runtime.spec_policy import SpecPolicy
-        engine_b = hybrid_npu.load(model, threads=args.threads)
-        engine_b.make_policy = lambda e: SpecPolicy(e.draft_shape["depth"], verify_nodes=e.verify_graph,
-                                                    verify_graphs=e.verify_graphs, **overrides)
+    engine_b = engine_with(overrides, args.threads, model=model) if args.policy_b else None
     prefix = {kind: f"{kind}_" if args.drafter else "" for kind in engines}
     prompts = held_out_prompts(args.prompts)
     result = {"machine": machine(), "load_average_at_start": os.getloadavg(), "threads": args.threads,
@@ -309,8 +301,8 @@ def main() -> int:
     best: dict = {}
     per_repeat: dict = {}
     own: dict = {}  # each repeat's vs_own_plain_steps
-    mismatched: dict = {}  # replies that were not plain's, over every repeat (not only the best one's)
-    divergences: dict = {}  # ... where each parted, and whether on a near-tie (NEAR_TIE)
+    divergences: dict = {}  # replies that were not plain's, over every repeat (not only the best one's): where
+    #                         each parted, and whether on a near-tie (NEAR_TIE)
     reference = None
     for r in range(args.repeats):
         for name, spec, e in rotated(chat_modes, r):
@@ -320,8 +312,7 @@ def main() -> int:
             if name == "plain":
                 reference = outputs
             else:  # plain again must match too: greedy plain decoding is deterministic
-                mismatched[name] = mismatched.get(name, 0) + count_mismatches(
-                    e, prompts, outputs, reference, False, divergences.setdefault(name, []))
+                note_mismatches(e, prompts, outputs, reference, False, divergences.setdefault(name, []))
                 if spec:
                     row["shape"] = e.draft_shape
             per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
@@ -330,8 +321,8 @@ def main() -> int:
                 best[name] = row
     for name, row in best.items():
         if name != "plain":
-            row["mismatched_prompts"] = mismatched[name]
-            row["divergences"] = divergences.get(name, [])
+            row["mismatched_prompts"] = len(divergences[name])
+            row["divergences"] = divergences[name]
         row["vs_plain"] = round(row["decode_tokens_per_s"] / best["plain"]["decode_tokens_per_s"], 2)
         row.update(paired(per_repeat[name], per_repeat["plain"]), **own_paired(own[name], own["plain"]))
     b_against_a(best, per_repeat)
@@ -348,7 +339,7 @@ def main() -> int:
         return 2
     for ctx in args.contexts:
         rows: dict = {}
-        per_repeat, own, mismatched, divergences = {}, {}, {}, {}
+        per_repeat, own, divergences = {}, {}, {}
         reference = None
         runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [
             (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in args.modes]
@@ -361,8 +352,7 @@ def main() -> int:
                 row, outputs = run(e, contexts[ctx], args.context_new, mode, long_context=True)
                 reference = outputs if name == "plain" else reference
                 if name != "plain":  # over every repeat; plain again too (greedy plain is deterministic)
-                    mismatched[name] = mismatched.get(name, 0) + count_mismatches(
-                        e, contexts[ctx], outputs, reference, True, divergences.setdefault(name, []))
+                    note_mismatches(e, contexts[ctx], outputs, reference, True, divergences.setdefault(name, []))
                 if mode != "plain":
                     row["shape"] = e.draft_shape
                 per_repeat.setdefault(name, []).append(row["decode_tokens_per_s"])
@@ -371,8 +361,8 @@ def main() -> int:
                     rows[name] = row
         for mode, row in rows.items():
             if mode != "plain":
-                row["mismatched"] = mismatched[mode]
-                row["divergences"] = divergences.get(mode, [])
+                row["mismatched"] = len(divergences[mode])
+                row["divergences"] = divergences[mode]
             row["vs_plain"] = round(row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"], 2)
             row.update(paired(per_repeat[mode], per_repeat["plain"]), **own_paired(own[mode], own["plain"]))
         b_against_a(rows, per_repeat)

@@ -53,6 +53,20 @@ class MemoryPlan:
                 "shorten the input, free memory or raise the budget (memory=/--memory)")
 
 
+# A float export this small prepacks its weights in every CPU session, as a quantised one always
+# does; a larger one shares the memory-mapped weights.bin unpacked (runtime/pipeline.py cpu_session).
+# Unpacked, MLAS packs each matrix again on every call of more than one row: on the embedded model
+# (17 MB) a 15-node verify took 5.0 ms against 4.0 packed and a decode step 1.72 against 1.44 (Zen 3,
+# docs/cpu-speed.md, twenty-seventh pass), for ~32 MB more a session. At 0.8B fp32 prepacking cost
+# 2.2x the memory (PSS 7.4 vs 3.3 GB) for +10-20% decode: there the laptop's RAM is the scarcer.
+PREPACK_FLOAT_BELOW_BYTES = 64 << 20
+
+
+def prepacks(weights: dict) -> bool:
+    """Whether CPU sessions of an export with this manifest "weights" record prepack its weights."""
+    return weights.get("mode", "float") != "float" or int(weights["bytes"]) < PREPACK_FLOAT_BELOW_BYTES
+
+
 def resident_weight_bytes(weights: dict, cpu_sessions: int) -> int:
     """What the weights hold in RAM with `cpu_sessions` CPU sessions open: weights.bin (mapped once,
     shared), plus for a quantised export one more copy of its MatMulNBits matrices per session
@@ -60,7 +74,11 @@ def resident_weight_bytes(weights: dict, cpu_sessions: int) -> int:
     in for the file pages it read). Measured on Qwen3.5-0.8B (PSS after load vs this), prefill and
     decode in one any-N session: int8 1.16 vs 1.36 GB, int4 0.91 vs 1.11, int4 head-4 0.78 vs 0.99,
     int4 head-4 block-128 0.55 vs 0.92; in two sessions: int8 2.11 vs 2.21, int4 1.61 vs 1.71, int4
-    head-4 block-128 0.98 vs 1.31. A little more than measured, never less."""
+    head-4 block-128 0.98 vs 1.31. A little more than measured, never less. A small float export
+    (prepacks) is charged an fp32 copy of every parameter per session: a bound, packing only the
+    matmuls' weights."""
+    if weights.get("mode", "float") == "float":
+        return int(weights["bytes"]) + (cpu_sessions * 4 * int(weights["params"]) if prepacks(weights) else 0)
     return int(weights["bytes"]) + max(cpu_sessions - 1, 0) * int(weights.get("prepacked_bytes", 0))
 
 

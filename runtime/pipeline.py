@@ -8,6 +8,7 @@ import os
 import numpy as np
 import onnxruntime as ort
 
+from .memory import prepacks
 from .session_options import cpu_inference_session, session_options
 
 
@@ -23,16 +24,16 @@ def cpu_graph(graphs: dict, name: str) -> str:
 def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
     """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
     opts = session_options(threads)
-    # No prepacking: the weights stay in the memory-mapped weights.bin that every session of
-    # the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B fp32 with all
-    # sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either way.
+    # A large float export does not prepack: its weights stay in the memory-mapped weights.bin that
+    # every session of the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B
+    # fp32 with all sessions: PSS 3.3 vs 7.4 GB, prefill 71 vs 85 tok/s, decode within ~10% either
+    # way. A small one does (runtime/memory.py prepacks: why, measured). Quantised exports must:
+    # MatMulNBits without it dequantises all of B on every call (measured 15x slower); each session
+    # then holds its own packed copy. HYBRID_NPU_PREPACK=1 prepacks any export.
     # No arena: a long prefill's attention scratch (scores over the whole context) goes back to
     # the system after each call instead of staying reserved as the context grows.
     opts.enable_cpu_mem_arena = False
-    # Quantised exports must prepack: MatMulNBits without it dequantises all of B on every call
-    # (measured 15x slower); each session then holds its own packed copy.
-    quantized = manifest["weights"].get("mode", "float") != "float"
-    if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not quantized:
+    if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not prepacks(manifest["weights"]):
         opts.add_session_config_entry("session.disable_prepacking", "1")
     return cpu_inference_session(path, opts)
 

@@ -52,7 +52,7 @@ def test_kv_and_state_bytes_match_transformers_cache(text_tied):
         assert rec.dtype == torch.float32
         state += rec.nbytes + conv.nbytes // conv.shape[-1] * (conv.shape[-1] - 1)
     assert report["state_bytes"] == state
-    assert 0 < report["weights_bytes"] <= (text_tied.out / "graphs" / "weights.bin").stat().st_size
+    assert (text_tied.out / "graphs" / "weights.bin").stat().st_size < report["weights_bytes"]  # + the packed copy
     assert report["max_context"] == model.config.max_position_embeddings and report["context_tokens"] == 0
 
 
@@ -84,6 +84,34 @@ def test_resident_memory_grows_by_the_kv_bytes_only(kv_heavy):
     print(f"\nRSS 4k -> 16k tokens: +{r['growth'] / 1e6:.1f} MB, analytic K/V {analytic / 1e6:.1f} MB "
           f"({r['growth'] / analytic:.2f}x)")
     assert r["growth"] <= 1.2 * analytic
+
+
+def test_a_small_float_export_prepacks_and_the_plan_charges_its_copies(text_tied, monkeypatch):
+    """A float export under PREPACK_FLOAT_BELOW_BYTES prepacks its weights in each CPU session (MLAS
+    otherwise packs each matrix again every call of more than one row) and the memory plan charges an
+    fp32 copy of its parameters per session; over it, sessions share the mapped weights.bin unpacked
+    and the plan charges the file once. Both give the same logits."""
+    from hybrid_npu.runtime import memory, pipeline
+
+    manifest = json.loads((text_tied.out / "model.json").read_text())
+    file, params = (text_tied.out / "graphs" / "weights.bin").stat().st_size, manifest["weights"]["params"]
+
+    def prepacking(engine):
+        options = engine.pipelines["decode"].sessions[0].get_session_options()
+        try:
+            return options.get_session_config_entry("session.disable_prepacking") != "1"
+        except RuntimeError:  # not set: ORT's default, prepacking
+            return True
+
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, 300, CHUNK + 3)]
+    small = hybrid_npu.load(text_tied.out)
+    assert prepacking(small) and small.memory_report()["weights_bytes"] == file + 4 * params
+    monkeypatch.setattr(memory, "PREPACK_FLOAT_BELOW_BYTES", file)  # the same export, now "large"
+    large = hybrid_npu.load(text_tied.out)
+    assert not prepacking(large) and large.memory_report()["weights_bytes"] == file
+    assert not memory.prepacks(manifest["weights"]) and pipeline.prepacks is memory.prepacks
+    np.testing.assert_allclose(small.prefill_logits(ids), large.prefill_logits(ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(small._step("decode", [7]), large._step("decode", [7]), atol=1e-5, rtol=0)
 
 
 def test_a_context_beyond_the_plan_is_refused_before_any_work(text_tied):

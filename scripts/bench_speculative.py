@@ -30,7 +30,10 @@ rounding may order differently) is "near_tie"; any other would be a bug (specula
 --policy-b: a second adaptive arm, "adaptive_b", on its own engine whose policy takes these
 SpecPolicy settings (FIELD=NUMBER,...; scripts/ab_spec_policy.py's form): a policy change paired
 against the default across the contexts in sequence, the far-context switches between them
-included, which ab_spec_policy.py's one context at a time does not meet.
+included, which ab_spec_policy.py's one context at a time does not meet. The default's adaptive
+arm then runs on an engine of its own too: on the engine that also runs plain, every step and the
+trees, the same policy read 0.89× a second engine's in chat (an A/A run on a Zen 3,
+docs/speculation.md, twenty-seventh pass), which paired_vs_a would have counted as the policy's.
 
 --drafter: the drafter kinds the export ships to compare side by side (one engine each, the same
 target graphs; runs interleaved with plain ones); rows are then named KIND_SHAPE_MODE. Without it,
@@ -286,6 +289,11 @@ def main() -> int:
         print("bench_speculative: the model has no drafter/", file=sys.stderr)
         return 2
     engine_b = engine_with(overrides, args.threads, model=model) if args.policy_b else None
+    # with a B arm, A's adaptive arm gets an engine as unshared as B's (module docstring: why)
+    engine_a = hybrid_npu.load(model, threads=args.threads) if args.policy_b else engine
+
+    def engine_for(mode: str, e):
+        return engine_a if mode == "adaptive" and engine_b is not None else e
     prefix = {kind: f"{kind}_" if args.drafter else "" for kind in engines}
     prompts = held_out_prompts(args.prompts)
     result = {"machine": machine(), "load_average_at_start": os.getloadavg(), "threads": args.threads,
@@ -293,7 +301,7 @@ def main() -> int:
               "repeats": args.repeats, "greedy": True, "chat": {}, "context": [], "policy_b": args.policy_b}
     chat_shape_sets = {kind: chat_shapes(engine.manifest, kind, args.chain_depths) for kind in engines}
     chat_modes = [("plain", None, engine), ("plain_again", None, engine)] + [
-        (f"{prefix[kind]}{name}_{mode}", (shape, mode), e)
+        (f"{prefix[kind]}{name}_{mode}", (shape, mode), engine_for(mode, e))
         for kind, e in engines.items() for name, shape in chat_shape_sets[kind].items() for mode in args.modes]
     if engine_b is not None:
         chat_modes += [(f"{name}_adaptive_b", (shape, "adaptive"), engine_b)
@@ -342,7 +350,7 @@ def main() -> int:
         per_repeat, own, divergences = {}, {}, {}
         reference = None
         runs = [("plain", "plain", engine, None), ("plain_again", "plain", engine, None)] + [
-            (f"{prefix[kind]}{mode}", mode, e, kind) for kind, e in engines.items() for mode in args.modes]
+            (f"{prefix[kind]}{mode}", mode, engine_for(mode, e), kind) for kind, e in engines.items() for mode in args.modes]
         if engine_b is not None:
             runs.append(("adaptive_b", "adaptive", engine_b, None))
         for r in range(args.repeats):

@@ -62,8 +62,8 @@ def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -
         engine.prefill_logits(prompt)
         prefill_s = min(prefill_s, time.perf_counter() - t0)
     decode_tps = 0.0
-    for _ in range(3):
-        engine.generate(prompt[:16], decode, stop_at_eos=False)
+    for _ in range(3):  # plain decoding: an export with a drafter would otherwise speculate (engine default)
+        engine.generate(prompt[:16], decode, stop_at_eos=False, speculative=False)
         decode_tps = max(decode_tps, engine.last_stats["decode_tokens_per_s"])
     weights = engine.manifest["weights"]
     return {"weights": weights.get("mode", "float"), "weights_file_gb": round(weights["bytes"] / 1e9, 3),

@@ -309,3 +309,28 @@ def test_the_modelled_round_charges_the_observe_beside_the_commit_and_the_later_
     # levels costlier: d = 1 wins (1.7 / 1.45 = 1.172 against 2.19 / 2.1 = 1.043)
     r = modelled_round(verify, beside, 0.4, 1.0, 0.7)
     assert r["depth"] == 1 and abs(r["speedup"] - 1.7 / 1.45) < 0.006
+
+
+def test_bench_ours_decodes_plainly_on_an_export_with_a_drafter(monkeypatch):
+    """bench_cpu's decode rate is plain decoding, as llama-bench's is: on an export that ships a
+    drafter (the embedded model) the engine would otherwise speculate by default, and ab_cpu.py's
+    "decode" on it read the speculating rate (docs/cpu-speed.md, twenty-seventh pass)."""
+    import hybrid_npu
+    from bench_cpu import bench_ours
+
+    engines, asked = [], []
+    load = hybrid_npu.load
+
+    def load_and_watch(*args, **kw):
+        engine = load(*args, **kw)
+        generate = engine.generate
+        engine.generate = lambda *a, **k: asked.append(k.get("speculative", engine.drafter is not None)) or generate(*a, **k)
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(hybrid_npu, "load", load_and_watch)
+    row = bench_ours(Path(hybrid_npu.default_model()), 1, list(range(40, 72)), 6)
+    engine, = engines
+    assert engine.drafter is not None and row["decode_tokens_per_s"] > 0
+    assert asked and not any(asked)  # every timed reply asked for plain decoding
+    assert engine.last_stats.get("rounds", 0) == 0

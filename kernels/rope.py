@@ -21,6 +21,33 @@ def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[n
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
+ROPE_BLOCK = 256  # positions whose rows RopeRows computes at once
+
+
+class RopeRows:
+    """rope_tables' rows for a run of consecutive positions, from a block of ROPE_BLOCK positions
+    computed at once and kept (the same values: each row is computed elementwise, whatever the
+    batch). A decode step asks for one position; computing it alone, eight numpy calls right after
+    a graph call (caches cold), took ~40 µs of the embedded model's ~1.8 ms step
+    (docs/cpu-speed.md, twenty-eighth pass). The block is replaced as one tuple, so threads sharing
+    an instance each read a whole one."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        self.rotary_dim, self.theta = rotary_dim, theta
+        self._block: tuple[int, np.ndarray, np.ndarray] | None = None  # (first position, cos, sin)
+
+    def __call__(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [n, rotary_dim] for positions start .. start + n - 1 (views into the block)."""
+        block = self._block
+        if block is None or not block[0] <= start or start + n > block[0] + len(block[1]):
+            first = start - start % ROPE_BLOCK
+            cos, sin = rope_tables(np.arange(first, max(first + ROPE_BLOCK, start + n)), self.rotary_dim, self.theta)
+            cos.flags.writeable = sin.flags.writeable = False  # shared: a caller may not write into it
+            block = self._block = (first, cos, sin)
+        i = start - block[0]
+        return block[1][i: i + n], block[2][i: i + n]
+
+
 def partial_rope_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x [N, heads, hd]; cos/sin [N, rd]."""
     rd = cos.shape[-1]

@@ -1,24 +1,36 @@
 """Host-side inputs of a step graph: what is cheap here and awkward on the NPU (docs/architecture.md)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.conv import chain_state_select
-from hybrid_npu.kernels.rope import rope_tables
+from hybrid_npu.kernels.rope import RopeRows, rope_tables
 
 from .state import State
 
+_ROPE_ROWS: dict[tuple[int, float], RopeRows] = {}  # (rotary_dim, theta) -> its rows, shared by engines
 
-def context_feed(cfg: ModelConfig, state: State, depth: np.ndarray, visible: np.ndarray) -> dict[str, np.ndarray]:
+
+def context_feed(cfg: ModelConfig, state: State, depth: np.ndarray, visible: np.ndarray,
+                 chain: bool = False) -> dict[str, np.ndarray]:
     """What every step graph reads besides its tokens: rotary rows at positions P + depth, the
     additive mask (all past rows, and the new tokens each one may see: `visible` [N, N] bool), and
-    the state itself (fed in place, no copies)."""
+    the state itself (fed in place, no copies). chain: depth is 0 .. N-1 (the rows come from a
+    block computed once, RopeRows)."""
     feed = {}
     if cfg.full_layers:
         n, pos, cap = len(depth), state.position, state.capacity
-        feed["rope_cos"], feed["rope_sin"] = rope_tables(pos + depth, cfg.rotary_dim, cfg.rope_theta)
+        if chain:
+            rows = _ROPE_ROWS.get((cfg.rotary_dim, cfg.rope_theta))
+            if rows is None:
+                rows = _ROPE_ROWS.setdefault((cfg.rotary_dim, cfg.rope_theta), RopeRows(cfg.rotary_dim, cfg.rope_theta))
+            feed["rope_cos"], feed["rope_sin"] = rows(pos, n)
+        else:
+            feed["rope_cos"], feed["rope_sin"] = rope_tables(pos + depth, cfg.rotary_dim, cfg.rope_theta)
         mask = np.full((n, cap + n), MASKED, dtype=np.float32)
         mask[:, :pos] = 0.0
         mask[:, cap:] = np.where(visible, 0.0, MASKED)
@@ -40,8 +52,17 @@ def chain_feed(cfg: ModelConfig, state: State, ids: list[int], n: int) -> dict[s
         feed["token_valid"] = (np.arange(n) < valid).astype(np.float32)
         feed["conv_state_select"] = chain_state_select(valid, n, cfg.linear_conv_kernel_dim)
     feed["last_index"] = np.array([valid - 1], dtype=np.int64)
-    feed.update(context_feed(cfg, state, np.arange(n), np.tril(np.ones((n, n), dtype=bool))))
+    feed.update(context_feed(cfg, state, *_chain_rows(n), chain=True))
     return feed
+
+
+@functools.lru_cache(maxsize=8)
+def _chain_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A chain of n slots: its depths 0 .. n-1 and its causal [n, n] visibility (read-only, kept:
+    building them, np.tril included, took ~45 µs of a decode step right after a graph call)."""
+    depth, visible = np.arange(n), np.tril(np.ones((n, n), dtype=bool))
+    depth.flags.writeable = visible.flags.writeable = False
+    return depth, visible
 
 
 def commit_chain(state: State, out: dict[str, np.ndarray], ids: list[int]) -> None:

@@ -394,6 +394,19 @@ def test_cpu_softplus_is_exact_where_the_decay_needs_it():
     np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-30)
 
 
+def test_rope_rows_from_a_kept_block_are_the_rows_computed_alone():
+    rows = rope.RopeRows(6, 1e7)
+    # a decode run across block edges, a chain crossing one, a jump back and one far ahead
+    asks = [(p, 1) for p in range(0, 2 * rope.ROPE_BLOCK + 3)] + [(rope.ROPE_BLOCK - 2, 5), (3, 4),
+                                                                   (70000, 1), (70000 + rope.ROPE_BLOCK - 1, 600)]
+    for start, n in asks:
+        cos, sin = rows(start, n)
+        want_cos, want_sin = rope.rope_tables(np.arange(start, start + n), 6, 1e7)
+        assert cos.shape == (n, 6) and np.array_equal(cos, want_cos) and np.array_equal(sin, want_sin), (start, n)
+    with pytest.raises(ValueError):  # the kept block is shared: nobody may write into it
+        rows(5, 1)[0][0, 0] = 1.0
+
+
 def test_partial_rope_numpy_vs_transformers_vs_onnx():
     from transformers import Qwen3_5TextConfig
 

@@ -18,6 +18,7 @@ absolute positions: relative distances inside the window are what the drafter wa
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -26,10 +27,11 @@ import numpy as np
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT as FORMAT, DRAFTER_MANIFEST as MANIFEST
 from hybrid_npu.kernels.attention import MASKED
-from hybrid_npu.kernels.rope import rope_tables
+from hybrid_npu.kernels.rope import RopeRows, rope_tables
 
 from .session_options import cpu_inference_session, session_options
 from .state import grown_capacity
+from .step_inputs import chain_rows
 
 OBSERVE_CHUNK = 64  # positions per observe call: bounds the [N, capacity + N] score scratch
 MIN_CAPACITY = 64
@@ -91,6 +93,12 @@ class Eagle3Drafter:
         self.step = cpu_inference_session(self.path / "drafter.onnx", opts)
         self.reset()
 
+    @functools.cached_property
+    def _rope(self) -> RopeRows:
+        """The rotary rows of a run of positions (observe's chunks, a chain's levels), a block at a time
+        (kernels/rope.py): per call they were eight numpy calls right after a graph call."""
+        return RopeRows(self.rotary_dim, self.rope_theta)
+
     # ---------------------------------------------------------------- state
     def reset(self) -> None:
         self.key = np.zeros((self.nkv, MIN_CAPACITY, self.hd), np.float32)
@@ -120,18 +128,22 @@ class Eagle3Drafter:
         """The target graph's `tap.{j}` outputs -> features [N, nT·H] in the order observe expects."""
         return np.concatenate([outputs[f"tap.{j}"] for j in self.input_order], axis=-1)
 
-    def _run(self, features, ids, position, lo: int, hi: int, visible: np.ndarray, new_visible: np.ndarray,
-             logit_rows) -> dict[str, np.ndarray]:
+    def _run(self, features, ids, position, lo: int, hi: int, visible: np.ndarray | None, new_visible: np.ndarray,
+             logit_rows, rope: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """One drafter step over n queries at drafter positions `position` (scalar or [n]), reading
-        buffer rows [lo, hi); visible [n, hi - lo] bool: the rows each query sees; new_visible
-        [n, n]: the new rows. Only those rows are fed (a small copy), not the whole buffer."""
+        buffer rows [lo, hi); visible [n, hi - lo] bool: the rows each query sees (None: all of them);
+        new_visible [n, n]: the new rows; rope: the positions' rotary rows, when the caller has them.
+        Only those rows are fed (a small copy), not the whole buffer."""
         n, rows = len(ids), hi - lo
         mask = np.full((n, rows + n), MASKED, np.float32)
-        mask[:, :rows][visible] = 0.0
+        if visible is None:
+            mask[:, :rows] = 0.0
+        else:
+            mask[:, :rows][visible] = 0.0
         mask[:, rows:][new_visible] = 0.0
-        pos = np.broadcast_to(np.asarray(position, np.int64), (n,))
-        return self._call(features, ids, rope_tables(pos, self.rotary_dim, self.rope_theta), mask,
-                          self.key[:, lo:hi], self.value[:, lo:hi], logit_rows)
+        if rope is None:
+            rope = rope_tables(np.broadcast_to(np.asarray(position, np.int64), (n,)), self.rotary_dim, self.rope_theta)
+        return self._call(features, ids, rope, mask, self.key[:, lo:hi], self.value[:, lo:hi], logit_rows)
 
     def _call(self, features, ids, rope, mask, past_key, past_value, logit_rows) -> dict[str, np.ndarray]:
         """The drafter graph on its feeds as they are (_run builds them)."""
@@ -186,10 +198,11 @@ class Eagle3Drafter:
             ids, n = tokens[s: s + OBSERVE_CHUNK], len(tokens[s: s + OBSERVE_CHUNK])
             self._ensure(self.length + n)
             lo = self._first_row()  # a chunk's queries share one window start (chunks are short)
-            visible = np.ones((n, self.length - lo), bool)
-            causal = np.tril(np.ones((n, n), bool))
             rows = np.arange(min(max(first_guessed - s, 0), n - 1), n) if guesses else [n - 1]
-            out = self._run(f[s: s + n], ids, self.length + np.arange(n), lo, self.length, visible, causal, rows)
+            # every stable row in the window visible (None), the chunk causal among itself
+            depth, causal = chain_rows(n)
+            out = self._run(f[s: s + n], ids, self.length + depth, lo, self.length, None, causal, rows,
+                            rope=self._rope(self.length, n))
             self.key[:, self.length: self.length + n] = out["new_key"]
             self.value[:, self.length: self.length + n] = out["new_value"]
             self.length += n
@@ -276,7 +289,7 @@ class Eagle3Drafter:
         past[0][:, :rows], past[1][:, :rows] = self.key[:, lo:base], self.value[:, lo:base]
         masks = np.zeros((length - 1, total + 1), np.float32)  # level L sees rows + L rows, then its own
         masks[:, :total][np.arange(total)[None, :] >= rows + np.arange(length - 1)[:, None]] = MASKED
-        rope = rope_tables(np.arange(base, base + length - 1), self.rotary_dim, self.rope_theta)
+        rope = self._rope(base, length - 1)
         for level in range(length - 1):
             out = self._call(hidden, self.draft_to_target[token: token + 1], (rope[0][level: level + 1],
                              rope[1][level: level + 1]), masks[level: level + 1], *past, ROW_0)

@@ -52,12 +52,12 @@ def chain_feed(cfg: ModelConfig, state: State, ids: list[int], n: int) -> dict[s
         feed["token_valid"] = (np.arange(n) < valid).astype(np.float32)
         feed["conv_state_select"] = chain_state_select(valid, n, cfg.linear_conv_kernel_dim)
     feed["last_index"] = np.array([valid - 1], dtype=np.int64)
-    feed.update(context_feed(cfg, state, *_chain_rows(n), chain=True))
+    feed.update(context_feed(cfg, state, *chain_rows(n), chain=True))
     return feed
 
 
-@functools.lru_cache(maxsize=8)
-def _chain_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
+@functools.lru_cache(maxsize=80)  # decode 1, prefill chunks, the drafter's observe chunks (<= 64)
+def chain_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
     """A chain of n slots: its depths 0 .. n-1 and its causal [n, n] visibility (read-only, kept:
     building them, np.tril included, took ~45 µs of a decode step right after a graph call)."""
     depth, visible = np.arange(n), np.tril(np.ones((n, n), dtype=bool))

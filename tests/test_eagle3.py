@@ -217,8 +217,8 @@ def test_skipped_rows_are_never_read(plain):
     def recording(d):
         run = d._run
 
-        def recorded(features, ids, position, lo, hi, visible, new_visible, rows):
-            out = run(features, ids, position, lo, hi, visible, new_visible, rows)
+        def recorded(features, ids, position, lo, hi, visible, new_visible, rows, **kw):
+            out = run(features, ids, position, lo, hi, visible, new_visible, rows, **kw)
             logits[d].update({int(p): r for p, r in zip(np.asarray(position)[rows], out["logits"]) if p >= n - 9})
             return out
         return recorded

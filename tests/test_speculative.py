@@ -287,6 +287,27 @@ def test_commit_path_writes_the_state_in_place_and_leaves_a_checkpoint_alone():
     np.testing.assert_array_equal(gdn[0].recurrent, before.recurrent[0])
 
 
+def test_a_chain_tree_feed_from_kept_rows_is_the_general_feed():
+    """A chain's verify feed takes its structure and rotary rows from kept, read-only arrays; it must
+    be the feed built from the tree's paths, bitwise, also where the chain crosses a rotary block."""
+    from hybrid_npu.kernels.rope import ROPE_BLOCK
+    from hybrid_npu.runtime.speculative import Tree, general_tree_feed, tree_feed
+
+    engine = hybrid_npu.load(hybrid_npu.default_model())
+    engine.generate(list(range(5, 5 + ROPE_BLOCK - 10)), 1, temperature=0.0)
+    cfg, state = engine.config, engine.state
+    for n in (1, 2, 5, 15, 15):  # the second 15 from the kept arrays
+        tree = Tree(list(range(10, 10 + n)), list(range(-1, n - 1)))
+        fast, slow = tree_feed(cfg, state, tree), general_tree_feed(cfg, state, tree)
+        assert fast.keys() == slow.keys()
+        for key, want in slow.items():
+            assert fast[key].dtype == want.dtype and np.array_equal(fast[key], want), (n, key)
+        assert not fast["tree_mask"].flags.writeable and not fast["rope_cos"].flags.writeable
+    branched = Tree([10, 11, 12, 13], [-1, 0, 0, 1])
+    for key, want in general_tree_feed(cfg, state, branched).items():
+        assert np.array_equal(tree_feed(cfg, state, branched)[key], want)
+
+
 def _random_round(seed: int, with_attention: bool = True):
     """A state with two GDN layers (and an attention layer) and a verify's outputs for a 4-node tree."""
     from hybrid_npu.runtime.speculative import Tree

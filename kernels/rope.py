@@ -7,6 +7,8 @@ does, in float32, so positions far into a long context round the same way.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .graph import GraphBuilder
@@ -46,6 +48,12 @@ class RopeRows:
             block = self._block = (first, cos, sin)
         i = start - block[0]
         return block[1][i: i + n], block[2][i: i + n]
+
+
+@functools.lru_cache(maxsize=8)
+def rope_rows(rotary_dim: int, theta: float) -> RopeRows:
+    """The one RopeRows of a (rotary_dim, theta): the target's chain feeds and the drafter share it."""
+    return RopeRows(rotary_dim, theta)
 
 
 def partial_rope_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

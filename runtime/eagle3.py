@@ -18,7 +18,6 @@ absolute positions: relative distances inside the window are what the drafter wa
 """
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT as FORMAT, DRAFTER_MANIFEST as MANIFEST
 from hybrid_npu.kernels.attention import MASKED
-from hybrid_npu.kernels.rope import RopeRows, rope_tables
+from hybrid_npu.kernels.rope import rope_rows, rope_tables
 
 from .session_options import cpu_inference_session, session_options
 from .state import grown_capacity
@@ -92,12 +91,6 @@ class Eagle3Drafter:
         self.fc = cpu_inference_session(self.path / "drafter_fc.onnx", opts)
         self.step = cpu_inference_session(self.path / "drafter.onnx", opts)
         self.reset()
-
-    @functools.cached_property
-    def _rope(self) -> RopeRows:
-        """The rotary rows of a run of positions (observe's chunks, a chain's levels), a block at a time
-        (kernels/rope.py): per call they were eight numpy calls right after a graph call."""
-        return RopeRows(self.rotary_dim, self.rope_theta)
 
     # ---------------------------------------------------------------- state
     def reset(self) -> None:
@@ -202,7 +195,7 @@ class Eagle3Drafter:
             # every stable row in the window visible (None), the chunk causal among itself
             depth, causal = chain_rows(n)
             out = self._run(f[s: s + n], ids, self.length + depth, lo, self.length, None, causal, rows,
-                            rope=self._rope(self.length, n))
+                            rope=rope_rows(self.rotary_dim, self.rope_theta)(self.length, n))
             self.key[:, self.length: self.length + n] = out["new_key"]
             self.value[:, self.length: self.length + n] = out["new_value"]
             self.length += n
@@ -289,7 +282,7 @@ class Eagle3Drafter:
         past[0][:, :rows], past[1][:, :rows] = self.key[:, lo:base], self.value[:, lo:base]
         masks = np.zeros((length - 1, total + 1), np.float32)  # level L sees rows + L rows, then its own
         masks[:, :total][np.arange(total)[None, :] >= rows + np.arange(length - 1)[:, None]] = MASKED
-        rope = self._rope(base, length - 1)
+        rope = rope_rows(self.rotary_dim, self.rope_theta)(base, length - 1)  # a block kept (kernels/rope.py)
         for level in range(length - 1):
             out = self._call(hidden, self.draft_to_target[token: token + 1], (rope[0][level: level + 1],
                              rope[1][level: level + 1]), masks[level: level + 1], *past, ROW_0)

@@ -23,7 +23,7 @@ from hybrid_npu.kernels.delta_rule import commit_state_ref
 
 from .sampling import filtered_probs
 from .state import State
-from .step_inputs import context_feed
+from .step_inputs import chain_rows, context_feed
 
 
 # Draft shapes (runtime/eagle3.py propose): EAGLE-2 beam trees; a chain is the tree of width 1.
@@ -95,9 +95,8 @@ def tree_feed(cfg: ModelConfig, state: State, tree: Tree) -> dict[str, np.ndarra
 def _chain_tree(n: int, k: int) -> tuple[np.ndarray, ...]:
     """tree_feed's structure inputs for a chain of n nodes (read-only, kept): built each round, with
     context_feed's rotary rows, they took 0.19-0.35 ms of the embedded pair's ~10 ms chain round."""
-    parents = list(range(-1, n - 1))
-    mask = np.tril(np.ones((n, n), np.float32))
-    out = (mask, np.arange(n), mask > 0, tree_conv_select(parents, k), np.ones(n, np.float32))
+    depth, visible = chain_rows(n)
+    out = (visible.astype(np.float32), depth, visible, tree_conv_select(list(range(-1, n - 1)), k), np.ones(n, np.float32))
     for a in out:
         a.flags.writeable = False
     return out

@@ -8,11 +8,9 @@ import numpy as np
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.conv import chain_state_select
-from hybrid_npu.kernels.rope import RopeRows, rope_tables
+from hybrid_npu.kernels.rope import rope_rows, rope_tables
 
 from .state import State
-
-_ROPE_ROWS: dict[tuple[int, float], RopeRows] = {}  # (rotary_dim, theta) -> its rows, shared by engines
 
 
 def context_feed(cfg: ModelConfig, state: State, depth: np.ndarray, visible: np.ndarray,
@@ -25,10 +23,7 @@ def context_feed(cfg: ModelConfig, state: State, depth: np.ndarray, visible: np.
     if cfg.full_layers:
         n, pos, cap = len(depth), state.position, state.capacity
         if chain:
-            rows = _ROPE_ROWS.get((cfg.rotary_dim, cfg.rope_theta))
-            if rows is None:
-                rows = _ROPE_ROWS.setdefault((cfg.rotary_dim, cfg.rope_theta), RopeRows(cfg.rotary_dim, cfg.rope_theta))
-            feed["rope_cos"], feed["rope_sin"] = rows(pos, n)
+            feed["rope_cos"], feed["rope_sin"] = rope_rows(cfg.rotary_dim, cfg.rope_theta)(pos, n)
         else:
             feed["rope_cos"], feed["rope_sin"] = rope_tables(pos + depth, cfg.rotary_dim, cfg.rope_theta)
         mask = np.full((n, cap + n), MASKED, dtype=np.float32)

@@ -28,8 +28,10 @@ import bench_json  # noqa: E402  (scripts/: one JSON object on stdout and in --o
 def decode_rates(export_dir: Path, lengths: list[int], steps: int, threads: int) -> list[float]:
     """Decode tok/s at each context length, one engine (run in a fresh process)."""
     import hybrid_npu
+    from hybrid_npu.runtime import huge_pages
 
     engine = hybrid_npu.load(export_dir, threads=threads)
+    huge_pages.wait()  # the prepacked weights settled on huge pages (runtime/huge_pages.py) before timing
     rng = np.random.default_rng(0)
     rates = []
     for length in lengths:

@@ -29,11 +29,10 @@ measures, in one run:
 Prints one JSON object.
 
     python scripts/depth_bound.py EXPORT_DIR [--context 8192] [--goal 0.85] [--threads 2]
-                                  [--rounds 8] [--no-measure] [--out FILE]
+                                  [--rounds 8] [--steps 24] [--no-measure] [--out FILE]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time

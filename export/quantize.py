@@ -37,7 +37,7 @@ class QuantSpec:
     # The lm_head (for a tied model an untied copy of the embedding table) stays at 8 bits by
     # default: its error lands straight on the logits (llama.cpp keeps it at 6 bits for the same
     # reason), and MatMulNBits has no 6-bit form. --head-bits 4 halves it (a 4B model's head is
-    # 0.64 GB at int8) for the accuracy scripts/eval_quantized.py measures. The embedding table
+    # 0.64 GB at int8) for the accuracy scripts/bench/eval_quantized.py measures. The embedding table
     # itself is only gathered, so it is kept fp16 and only the rows a prompt touches are ever
     # paged in.
     head_bits: int = 8

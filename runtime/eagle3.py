@@ -12,7 +12,7 @@ K/V buffer [nKV, capacity, hd] grows by at least 1/8 at a time. A call reads onl
 may see: the last `window` stable rows (DRAFT_WINDOW) and the tree rows of the round so far.
 Why a window: reading the whole context each call made the draft grow with the context (depth-6
 chain on the embedded drafter: 3.3 ms at 1.5k tokens, 11 ms at 12k, docs/speculation.md), and a
-drafter predicts from local context: scripts/train_drafter.py trains with the same window.
+drafter predicts from local context: scripts/train/train_drafter.py trains with the same window.
 The target verifies every draft, so the window changes acceptance, never the output. RoPE keeps
 absolute positions: relative distances inside the window are what the drafter was trained on.
 """

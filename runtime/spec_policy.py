@@ -382,7 +382,7 @@ class SpecPolicy:
         """A generation starts at a context of `tokens`. Costs measured at a context far from it (a
         new reply after a long document, or a fresh short chat after one) are dropped and measured
         again: a decode step and a verify grow with the context, and carried over they kept rounds
-        going where plain decoding won (measured in scripts/bench_speculative.py's sweep). What they
+        going where plain decoding won (measured in scripts/bench/bench_speculative.py's sweep). What they
         were relative to the decode step stays as a prior (_costs) until they are; with a guessing
         drafter the reply then starts plainly and the drafter's guesses decide whether rounds are
         worth measuring at all, and the evidence for p starts over (what a drafter guesses first
@@ -407,7 +407,7 @@ class SpecPolicy:
             # judged by this context's guesses alone, asked soon (above): after a 12k-token document's
             # plain reply (acceptance 0.23 there, guesses asked every 256 steps) the next short chat
             # replies (95 tokens) asked no guesses, or 8 weighed against the document's, and stayed
-            # plain where rounds paid 1.15x (embedded pair, scripts/bench_speculative.py's sweep)
+            # plain where rounds paid 1.15x (embedded pair, scripts/bench/bench_speculative.py's sweep)
             if self._await_guesses:  # (q stays: guesses are first drafts and cannot measure it)
                 self.successes = self.failures = 0.0
             weight = self.run_successes + self.run_failures

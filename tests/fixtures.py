@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
 import chatml_tokenizer  # noqa: E402  (the tokenizer train_target.py gives the embedded model)
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -460,7 +460,7 @@ def corrupt_truncate(path, n_bytes):
 # tokenizer
 # ----------------------------------------------------------------------------------------------------
 # The tokenizer, its added tokens and its ChatML template are the ones train_target.py gives the
-# embedded model (scripts/chatml_tokenizer.py), trained here on a built-in text.
+# embedded model (scripts/train/chatml_tokenizer.py), trained here on a built-in text.
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the forest.

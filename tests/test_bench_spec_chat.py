@@ -1,4 +1,4 @@
-"""scripts/bench_spec_chat.py: a multi-turn chat through the export's template on a speculating and a
+"""scripts/bench/bench_spec_chat.py: a multi-turn chat through the export's template on a speculating and a
 plain engine; the replies are compared token for token (greedy speculation is lossless), and bad
 arguments are one line and exit 2."""
 import json
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "bench"
 
 
 def _run(*args, cwd):

@@ -1,4 +1,4 @@
-"""scripts/checkpoint_from_export.py turns the shipped embedded export back into its source
+"""scripts/train/checkpoint_from_export.py turns the shipped embedded export back into its source
 checkpoints: transformers' Qwen3.5 on the rebuilt target gives the shipped graphs' logits, and
 exporting the rebuilt target again stores exactly the shipped bytes for every weight. The shipped
 drafter is int8 (left out of the rebuild); a float drafter's round trip is held on a test export."""
@@ -17,7 +17,7 @@ from hybrid_npu.export.exporter import graph_specs
 from hybrid_npu.export.step_graph import build_step_graph
 from hybrid_npu.export.weights import WeightPlan
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "checkpoint_from_export.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train" / "checkpoint_from_export.py"
 PROMPT = "def read_first_line(path):\n    \"\"\"Return the first line of a text file.\"\"\"\n"
 
 

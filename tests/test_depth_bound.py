@@ -1,4 +1,4 @@
-"""scripts/depth_bound.py: the bytes it counts must be the ones a decode step really touches.
+"""scripts/bench/depth_bound.py: the bytes it counts must be the ones a decode step really touches.
 
 The weights against the graph's own initializers loaded with their data (the embedding, which only
 a Gather reads, apart), the state against the engine's own arrays, the K/V against the engine's
@@ -18,7 +18,7 @@ from onnx import numpy_helper
 import hybrid_npu
 from hybrid_npu.export.exporter import export
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 sys.path.insert(0, str(SCRIPTS))
 import depth_bound  # noqa: E402
 from bench_context import fill_context  # noqa: E402

@@ -134,7 +134,7 @@ def test_w4a16_keeps_the_head_at_8_bits_and_stays_close(text_tied, htp_profile, 
     assert any(t == TensorProto.INT4 for t in types.values())
     # the QDQ part on the CPU EP (the quantiser's own simulation) against the float part, with the
     # CPU's int4 export (MatMulNBits, blocks of 32) as the bar: 4 bits on the random tiny fixture
-    # move the logits a lot either way (int4 on the trained model: scripts/eval_quantized.py)
+    # move the logits a lot either way (int4 on the trained model: scripts/bench/eval_quantized.py)
     engine = hybrid_npu.load(text_tied.out)
     from hybrid_npu.runtime.state import State
     from hybrid_npu.runtime.step_inputs import chain_feed

@@ -1,4 +1,4 @@
-"""scripts/train_drafter.py: EAGLE-3 TTT training for a hybrid target, end to end on the tiny fixture.
+"""scripts/train/train_drafter.py: EAGLE-3 TTT training for a hybrid target, end to end on the tiny fixture.
 
 Checks that matter beyond "it runs": the trainer's features are the runtime's taps (the off-by-one
 trap of docs/eagle3-drafter.md), the torch drafter's TTT unroll is what the exported ONNX drafter
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
 import drafter_fixtures as dfx  # noqa: E402
 import fixtures  # noqa: E402
 import eagle3_data  # noqa: E402

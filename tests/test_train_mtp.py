@@ -1,4 +1,4 @@
-"""scripts/train_mtp.py end to end on the tiny fixture: short and long-context data, the windowed
+"""scripts/train/train_mtp.py end to end on the tiny fixture: short and long-context data, the windowed
 training mask, a saved head that exports and speculates losslessly, and --init continuing from it.
 (The head's unroll against the runtime's windowed drafter: tests/test_mtp_drafter.py.)"""
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
 import train_mtp  # noqa: E402
 from test_train_drafter import _corpus  # noqa: E402  (the same small corpus)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-# The embedded default model (an export of the model scripts/train_target.py trains, with its
+# The embedded default model (an export of the model scripts/train/train_target.py trains, with its
 # EAGLE-3 drafter): what npu-chat and npu-summarize open when no model is given.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "default"
 

@@ -136,3 +136,33 @@ def assert_speculation_accounts_for(stats: dict, n_tokens: int, rounds_at_least:
     assert stats["rounds"] >= rounds_at_least, stats
     emitted_by_rounds = n_tokens - 1 - stats.get("plain_steps", 0)
     assert abs(stats["acceptance_length"] * stats["rounds"] - emitted_by_rounds) < 1e-6, stats
+
+
+# ---------------------------------------------------------------- test tiers (pyproject's markers)
+# `npu`: runs ONNX Runtime's QNN HTP emulator (17-66 s a test): every test of a module that skips
+# without onnxruntime-qnn, and every test that asks for it itself. `slow`: the soaks, by name.
+SLOW_TESTS = {
+    "test_no_memory_growth_over_200_requests",                     # test_serve.py: 200 requests
+    "test_resident_memory_grows_by_the_kv_bytes_only",             # test_engine_memory.py: 4k-16k tokens
+    "test_long_document_in_chunks",                                # test_summarize_cli.py: 20,000 tokens
+    "test_sampled_speculative_tokens_have_the_plain_distribution", # test_speculative.py: 20,000 runs
+}
+NPU_TESTS = {"test_opening_an_npu_session_keeps_stdout_clean"}  # opens a QNN session in a child process
+_NEEDS_QNN = 'importorskip("onnxruntime_qnn"'
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+
+    npu_modules: dict = {}
+    for item in items:
+        module = item.module
+        if module not in npu_modules:
+            npu_modules[module] = any(line.startswith("pytest." + _NEEDS_QNN)
+                                      for line in inspect.getsource(module).splitlines())
+        function = getattr(item, "function", None)
+        if npu_modules[module] or item.originalname in NPU_TESTS or (
+                function is not None and _NEEDS_QNN in inspect.getsource(function)):
+            item.add_marker(pytest.mark.npu)
+        if item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

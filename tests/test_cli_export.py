@@ -13,7 +13,6 @@ import torch
 
 import fixtures
 import hybrid_npu
-from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.parity import check_parity
@@ -64,13 +63,8 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
         assert human((out / g["file"]).stat().st_size) in row
     assert f"{manifest['weights']['params']:,} params" in proc.stdout
     assert f"{manifest['state']['kv_bytes_per_token']:,} B per token" in proc.stdout
-    cfg = ModelConfig.from_dict(manifest["config"])
-    per_token = cfg.kv_bytes_per_token() + 2 * cfg.num_attention_heads * 8 * 4  # K/V + a chunk's attention scratch
-    # the live GDN state and the 8 turn checkpoints a chat engine keeps by default (each a copy of it)
-    # a float export this small prepacks: an fp32 copy of its parameters in each CPU session at load
-    # (one where prefill and decode share the any-N graph; runtime/memory.py)
-    packed = (1 if "cpu" in manifest["graphs"] else 2) * 4 * manifest["weights"]["params"]
-    fits = (64 * 2**20 - manifest["weights"]["bytes"] - packed - 9 * cfg.state_bytes()) // per_token
+    # the context the runtime plans for this export in this budget, as hybrid_npu.load plans it
+    fits = hybrid_npu.load(out, memory=64 * 2**20).memory_report()["max_context"]
     assert f"max context  {fits:,} tokens in 64.0 MiB" in proc.stdout
     m = re.fullmatch(r"parity: ok \((\d+) source tensors equal weights.bin \(max \|diff\| (\S+)\), prefill vs 5 "
                      r"decode steps: logits max \|diff\| (\S+), state (\S+); relative L2 (\S+) and (\S+)\)",

@@ -57,13 +57,11 @@ def test_tiny_config_every_axis_differs():
     assert c.layer_types != default_schedule
     H, nH, nKV, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     Hk, Hv, Dk, Dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    assert (H, nH, nKV, hd, Hk, Hv, Dk, Dv, c.intermediate_size) == (48, 4, 2, 24, 2, 6, 12, 10, 88)
     assert Hk != Hv and Dk != Dv and hd != Dk and hd != Dv and nH != nKV and nH * hd != H
     assert Hv % Hk == 0 and nH % nKV == 0
     rp = c.rope_parameters
     rd = int(hd * rp["partial_rotary_factor"])
-    assert rd == 6 and sum(rp["mrope_section"]) == rd // 2 and rp["mrope_interleaved"]
-    assert rp["rope_theta"] == 1e7 and c.max_position_embeddings == 65536
+    assert sum(rp["mrope_section"]) == rd // 2 and rp["mrope_interleaved"]
     assert c.vocab_size >= F.TOKENIZER_VOCAB_SIZE
     assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (F.ENDOFTEXT_ID, F.IM_END_ID, F.ENDOFTEXT_ID)
     # overrides

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.profiles import Profile, builtin_profiles, load_profile
+from hybrid_npu.profiles import Profile, load_profile
 from hybrid_npu.profiles import loader
-from hybrid_npu.profiles.loader import NpuOptions, dumps, user_profile_dir, write_user_profile
+from hybrid_npu.profiles.loader import dumps, user_profile_dir, write_user_profile
 
 BUILTINS = ["cpu", "snapdragon-8-elite", "snapdragon-8-gen-3", "snapdragon-x-elite", "snapdragon-x-plus"]
 
@@ -42,10 +42,6 @@ def load_error(path) -> str:
 
 
 # ------------------------------------------------------------------ built-ins
-def test_builtin_names():
-    assert builtin_profiles() == BUILTINS
-
-
 @pytest.mark.parametrize("name", BUILTINS)
 def test_builtin_loads_and_round_trips(name, tmp_path):
     p = load_profile(name)
@@ -329,7 +325,3 @@ def test_write_user_profile_can_drop_the_npu(user_dir):
     back = load_profile("no-npu")
     assert not back.has_npu and back.npu_prefill_min_tokens == 0
 
-
-def test_npu_options_fields():
-    assert [f.name for f in dataclasses.fields(NpuOptions)] == [
-        "backend", "soc_model", "htp_arch", "precision", "performance_mode", "graph_finalization", "vtcm_mb"]

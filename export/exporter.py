@@ -45,7 +45,7 @@ def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
     """prefill (chain, C tokens), decode (1 token), verify (a token tree of `verify` nodes:
     logits, commit tensors and taps for every node, for speculative decoding).
     decode and the any-N "cpu" graph are written in ORT's fused CPU kernels (step_graph.KINDS,
-    graph_ops.CpuOps; measured in docs/cpu-speed.md); prefill and verify stay in plain HTP-safe ops,
+    graph_ops.CpuOps; measured in docs/performance.md); prefill and verify stay in plain HTP-safe ops,
     so a prefill graph can still run whole on the NPU (runtime/npu_sessions.py)."""
     specs = {"prefill": StepSpec(Kind.PREFILL, chunk), "decode": StepSpec(Kind.DECODE, 1),
              "verify": StepSpec(Kind.VERIFY, verify)}

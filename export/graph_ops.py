@@ -77,10 +77,10 @@ class NpuOps(PlainOps):
 
 
 class CpuOps(PlainOps):
-    """Measured on Qwen3.5-0.8B int4 head-4 (docs/cpu-speed.md): the fused norms and conv took a decode
+    """Measured on Qwen3.5-0.8B int4 head-4 (docs/performance.md): the fused norms and conv took a decode
     step from 3,222 to 2,089 nodes (14.4 -> 17.5 tok/s); LinearAttention from 1,418 to 950 kernels.
     Two fused kernels lost to plain ops and are not used: GatedRMSNorm (3-16x slower) and, for a
-    chunk, CausalConvWithState (4x slower); fifth pass."""
+    chunk, CausalConvWithState (4x slower)."""
     state_units = False
     chain_only = True
 
@@ -94,7 +94,7 @@ class CpuOps(PlainOps):
         return self.g.op("Softplus", x)  # the CPU's own is exact
 
     # LinearAttention's own [1, Hv, Dk, Dv] goes out as it is: squeezed, ORT copied each layer's
-    # state into the graph output (int4 0.8B decode, paired: ~5-8% of a step; docs/cpu-speed.md);
+    # state into the graph output (int4 0.8B decode, paired: ~5-8% of a step; docs/performance.md);
     # the host drops the unit axis as a view (runtime/step_inputs.py)
     state_unit_axis = True
 

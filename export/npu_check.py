@@ -55,7 +55,7 @@ def compile_on_npu(graph: Path, provider_options: dict, free_dims: dict | None =
     result = json.loads(tail[-1]) if tail and tail[-1].startswith("{") else {"ok": False, "error": proc.stderr[-500:]}
     report.update(result)
     report.update(_parse_validation(proc.stderr))
-    # success: every node is on the HTP (fallback was disabled); refusal: the first pass's count
+    # success: every node is on the HTP (fallback was disabled); refusal: the validation's count
     report["on_htp"] = report["nodes"] if report.get("ok") else report["validated_on_htp"]
     report.pop("validated_on_htp")
     return report

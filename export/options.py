@@ -82,8 +82,8 @@ class ExportOptions:
     def _drafter_quant(self, quant: QuantSpec | None) -> QuantSpec | None:
         """The drafters' weights: the target's unless --drafter-weights says otherwise. A drafter only
         proposes (the target verifies every token), so its precision moves acceptance and speed, never
-        the output: a float target may draft with int8 weights (the embedded pair: a draft level 0.3 ->
-        0.2 ms, acceptance unchanged; docs/speculation.md, fifteenth pass)."""
+        the output: a float target may draft with int8 weights (the embedded model: a draft level 0.3 ->
+        0.2 ms, acceptance unchanged; docs/speculation.md)."""
         if self.drafter_weights is None:
             return quant
         if self.drafter is None and self.mtp is None:

@@ -223,7 +223,7 @@ class _Builder:
                 below = m
             # the exact sizes up to ANY_COUNT_MAX share one core built for any count (m None): each If
             # level a call passes costs every layer a subgraph frame (0.8B int4, 24 layers: the three
-            # levels to a 2-4 node core were 2.3-2.8 ms of a 32-44 ms verify; twenty-first pass)
+            # levels to a 2-4 node core were 2.3-2.8 ms of a 32-44 ms verify)
             # (a padded size too: a core for any count takes its counts as they come, unpadded)
             small = [case for case in self.cases if case[1] <= ANY_COUNT_MAX]
             if len(small) > 1 and small == self.cases[:len(small)]:

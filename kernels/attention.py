@@ -31,7 +31,7 @@ def gqa_attention_ref(q, keys, values, mask):
 
 
 # Up to this many new tokens the values are read as the product's rows (below); measured with the past
-# values of 6 layers at 8k tokens, 2 threads (docs/cpu-speed.md): 1 / 2 / 4 / 8 / 16 tokens 8.1 / 9.0 /
+# values of 6 layers at 8k tokens, 2 threads (docs/performance.md): 1 / 2 / 4 / 8 / 16 tokens 8.1 / 9.0 /
 # 11.1 / 15.8 / 23.0 ms as P·V against 5.4 / 5.4 / 5.4 / 8.9 / 17.4 ms as (Vᵀ·Pᵀ)ᵀ; a chunk of 128
 # 147 ms as P·V, 140 ms as P·(Vᵀ)ᵀ (MLAS's transposed-B GEMM), 153 ms as (Vᵀ·Pᵀ)ᵀ.
 VALUE_ROWS_MAX_N = 16

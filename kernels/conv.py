@@ -108,9 +108,9 @@ def emit_short_conv(g: GraphBuilder, x: str, state: str, w_kc: str, n: int, k: i
 def emit_short_conv_step_cpu(g: GraphBuilder, x: str, state: str, w_kc: str):
     """One token (decode) through ONNX Runtime's CPU kernel CausalConvWithState: the fastest form
     measured for one token (18 layers at Qwen3.5-0.8B shapes: 1.18 ms, against 1.30 for Concat·w +
-    ReduceSum and 3.3 for the plain slices; docs/cpu-speed.md). Its SiLU is not fused: the kernel's
+    ReduceSum and 3.3 for the plain slices; docs/performance.md). Its SiLU is not fused: the kernel's
     own activation="silu" took 0.76-0.88 ms for those 18 layers against 0.53-0.64 ms for the conv
-    alone plus Sigmoid·x (ORT's vectorised logistic; scripts/bench_conv_step.py), same values within 2e-6. x [1, C], state [C, K-1],
+    alone plus Sigmoid·x (ORT's vectorised logistic), same values within 2e-6. x [1, C], state [C, K-1],
     w_kc [K, C]; returns (y [1, C], new state [C, K-1]) as emit_short_conv does."""
     w = g.unsqueeze(g.transpose(w_kc, [1, 0]), [1])  # [C, 1, K]: constant, folded at load
     y, new_state = g.op("CausalConvWithState", g.reshape(x, [1, -1, 1]), w, "", g.unsqueeze(state, [0]), n_out=2,
@@ -122,7 +122,7 @@ def emit_short_conv_cpu(g: GraphBuilder, x: str, state: str, w_kc: str, state_se
     """A chunk of N tokens (the any-N CPU graph's; N may be dynamic) in plain ops, channels-last as x
     lies: y = silu(sum_j X[j : j+N] * w[j]) over X = [state columns; x], each slice's end counted
     from X's end so one graph serves any N. Not CausalConvWithState, whose CPU kernel runs a chunk
-    ~4x slower: 18 layers at Qwen3.5-0.8B shapes, N = 128, 120 vs 27 ms (docs/cpu-speed.md); for
+    ~4x slower: 18 layers at Qwen3.5-0.8B shapes, N = 128, 120 vs 27 ms (docs/performance.md); for
     one token it is the faster one (emit_short_conv_step_cpu).
     The new state is picked by state_select [K-1, K-1+N] among [state columns; inputs] (a chunk
     may end in padding), as in emit_short_conv.

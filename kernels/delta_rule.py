@@ -83,13 +83,13 @@ def commit_state_ref(S, commit, path: list[int], out=None):
     m, idx = path[-1], np.asarray(path)
     w = np.exp(G[m][None, :] - G[idx])  # [len, Hv]: the decay after each token on the path
     # Σ_j w_j k̂_j u_jᵀ per head as one batched product [Hv, Dk, len] @ [Hv, len, Dv]: 4-5x faster than
-    # the three-operand einsum (0.8B shapes: 0.71 -> 0.17 ms a layer, 18 layers a round; twentieth pass)
+    # the three-operand einsum (0.8B shapes: 0.71 -> 0.17 ms a layer, 18 layers a round)
     weighted = (kh[idx] * w[:, :, None]).transpose(1, 2, 0)
     update = weighted @ U[idx].transpose(1, 0, 2)
     decay = np.exp(G[m])[:, None, None]
     if out is None:
         return decay * S + update
-    # in place: no fresh [Hv, Dk, Dv] arrays a layer (twenty-first pass: 18 layers of the 0.8B, a
+    # in place: no fresh [Hv, Dk, Dv] arrays a layer (18 layers of the 0.8B, a
     # 2-node path, ~2.3 -> ~1.8 ms in a /tmp timing)
     np.multiply(S, decay, out=out)
     out += update
@@ -271,7 +271,7 @@ def emit_gated_delta_cpu(g: GraphBuilder, qk: str, v: str, gate: str, beta: str,
 
     l2n(x) = x / sqrt(Σx² + ε) = RMSNorm(x; ε/D)·D^-1/2: q and k are normalised by one node, and
     the op's own scale (Dk^-1/2) is q's factor. Measured on Qwen3.5-0.8B shapes (2 threads, 18 or 6
-    layers, docs/cpu-speed.md): as fast as the hand-written one-token step with ~25 fewer nodes a
+    layers, docs/performance.md): as fast as the hand-written one-token step with ~25 fewer nodes a
     layer, and 2.7x faster than the masked chunk form at N = 128 (the recurrence itself, no N×N
     system). LinearAttention's GQA shares a state among query heads, the reverse of Qwen3.5 (one
     key head serves Hv/Hk value heads, each with its own state), so the key heads are repeated."""

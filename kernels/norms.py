@@ -108,7 +108,7 @@ def emit_gated_rmsnorm_cpu(g: GraphBuilder, o: str, z: str, weight: str, eps: fl
     """o [rows, H·Dv] or [rows, H, Dv], z [rows, H·Dv]: RMSNormalization per head (a [rows, H, Dv]
     view), times silu(z); returns [rows, H·Dv].
     Not ORT's contrib GatedRMSNorm, which does the same ~16x slower on the CPU: 18 layers at
-    Qwen3.5-0.8B shapes, 59.6 vs 3.7 ms a chunk of 128, 0.64 vs 0.21 ms a token (docs/cpu-speed.md)."""
+    Qwen3.5-0.8B shapes, 59.6 vs 3.7 ms a chunk of 128, 0.64 vs 0.21 ms a token (docs/performance.md)."""
     g.require_opset(23)
     heads = g.reshape(o, [0, -1, dv])
     normed = g.op("RMSNormalization", heads, weight, axis=-1, epsilon=eps)

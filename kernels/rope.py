@@ -31,7 +31,7 @@ class RopeRows:
     computed at once and kept (the same values: each row is computed elementwise, whatever the
     batch). A decode step asks for one position; computing it alone, eight numpy calls right after
     a graph call (caches cold), took ~40 µs of the embedded model's ~1.8 ms step
-    (docs/cpu-speed.md, twenty-eighth pass). The block is replaced as one tuple, so threads sharing
+    (docs/performance.md). The block is replaced as one tuple, so threads sharing
     an instance each read a whole one."""
 
     def __init__(self, rotary_dim: int, theta: float):

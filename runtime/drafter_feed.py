@@ -6,7 +6,7 @@ stable rows, and each row's K/V depends on its own pair alone (one decoder layer
 projections of the layer's input, before any attention). So of a long prompt, or of a long stretch
 of plain decoding, only the last rows are needed: the older ones are skipped (drafter.skip), never
 computed. Observing every prompt token as it was prefilled cost 9-23% of the prefill at 1.5k-12k
-tokens on the embedded pair, whether or not a round ever ran (docs/speculation.md).
+tokens on the embedded model, whether or not a round ever ran (docs/speculation.md).
 
 A drafter without `skip`, or with every row visible (window None), is shown every pair: past
 FLUSH_AT held pairs the older ones are observed then (a long plain run would otherwise hold a
@@ -40,7 +40,7 @@ class DrafterFeed:
     def add(self, tokens, features, decoded: bool = False) -> None:
         """Pairs (feature of position t, token t+1); features [n, width], or a tuple of its parts [n,
         w_j] (a plain step's taps as the graph returned them), joined only when the pairs are taken:
-        joining each plain step's taps as it came cost ~1% of the embedded pair's plain decoding, and
+        joining each plain step's taps as it came cost ~1% of the embedded model's plain decoding, and
         of a long plain run only the last `keep` pairs are ever taken."""
         self._tokens.extend(int(t) for t in tokens)
         self._features.append(features if isinstance(features, tuple)

@@ -272,7 +272,7 @@ class Eagle3Drafter:
         seeing its own rows through its mask (zero rows beyond: exactly no weight), and one
         rope_tables call. Built again each level (with a copy of the window, up to 512 rows), the
         embedded drafter's depth-14 chain took 3.87 ms against 2.85 after 40 tokens, and 6.71 against
-        5.14 after 1,500 (docs/speculation.md, twenty-fourth pass)."""
+        5.14 after 1,500 (docs/speculation.md)."""
         token = int(np.argmax(self._logits))
         tokens, hidden = [token], self._hidden[None]
         base, lo = self.length, self._first_row()

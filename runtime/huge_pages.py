@@ -3,7 +3,7 @@
 
 Why: a decode step streams every prepacked weight once (~400 MB at the 0.8B config, int4), and in
 4 KiB pages that is ~100k page-table walks a step. Backed by transparent huge pages the same step
-measured 1.07-1.09x faster (docs/cpu-speed.md, eleventh pass). ORT allocates those buffers with
+measured 1.07-1.09x faster (docs/performance.md). ORT allocates those buffers with
 plain malloc when the session is made, and where the machine's THP mode is `madvise` (Debian's and
 Ubuntu's default) they get small pages. So: note the process's anonymous mappings before the
 session is made, and afterwards ask the kernel to back the new ones with huge pages

@@ -57,7 +57,7 @@ class MemoryPlan:
 # does; a larger one shares the memory-mapped weights.bin unpacked (runtime/pipeline.py cpu_session).
 # Unpacked, MLAS packs each matrix again on every call of more than one row: on the embedded model
 # (17 MB) a 15-node verify took 5.0 ms against 4.0 packed and a decode step 1.72 against 1.44 (Zen 3,
-# docs/cpu-speed.md, twenty-seventh pass), for ~32 MB more a session. At 0.8B fp32 prepacking cost
+# docs/performance.md), for ~32 MB more a session. At 0.8B fp32 prepacking cost
 # 2.2x the memory (PSS 7.4 vs 3.3 GB) for +10-20% decode: there the laptop's RAM is the scarcer.
 PREPACK_FLOAT_BELOW_BYTES = 64 << 20
 

@@ -11,7 +11,7 @@ keeps running estimates of
     1 + a + ... + a^d of a single rate).
 Each cost is the median of its last `window` measurements: robust to what a shared machine does
 (a call now and then several times slower) and to a session's slow first call, without the
-optimism of a running minimum. Measured on the embedded pair: a plain average let one slow first
+optimism of a running minimum. Measured on the embedded model: a plain average let one slow first
 decode step hold speculation on for a whole reply; a fast-down/slow-up average (a near-minimum)
 rated the noisier rounds too cheap and speculated where plain decoding was faster.
 For each depth d it compares E(d) / cost(d) with 1 / t_dec and picks the best depth, or a plain
@@ -20,14 +20,14 @@ drafts saw, for p, one success (A > 0) or one failure, and for q, A - 1 successe
 0 < A < d, one failure. Two rates because a drafter's acceptance comes in runs: one rate read off
 the drafter's guesses (depth-1 drafts, they measure p only) said 0.6-0.75 a token where the same
 drafter's 14-deep chains accepted 8-10 drafts, and after a long document the policy decoded
-plainly where rounds ran 1.44x plain (embedded pair, Zen 3, docs/speculation.md). q has a
+plainly where rounds ran 1.44x plain (embedded model, Zen 3, docs/speculation.md). q has a
 pseudo-count of p (with no evidence of its own it is p) and, unlike p, is kept across contexts: how
 long a drafter's runs are is the drafter's, what it guesses first is the text's.
 
 A cost is kept only when the step before was of the same kind, in the same reply: the first plain
 step after rounds (and the first round after plain steps) runs with the other session's weights in
 the caches and costs more than in a run of its kind; kept, it made plain decoding look slower than
-it is and the policy speculated where plain was faster (measured, embedded pair after 500 tokens:
+it is and the policy speculated where plain was faster (measured, embedded model after 500 tokens:
 0.61x). So the first rounds and a refresh of t_dec are two steps, the second one measured. A
 reply's first step runs after its prefill: not kept either (note_context).
 
@@ -37,7 +37,7 @@ the probe loses and reset when speculation wins again, and never sooner than the
 extra time allows within `probe_budget` (5%) of the plain decoding since the last one. Two, so that the probe measures the
 round's cost again too (the second is kept): with one-round probes a round cost measured high
 once (a load spike) was never measured again and held plain decoding on for whole replies
-(measured on the embedded pair, top-4 tree: 93 rounds and 778 plain steps over 16 chat prompts,
+(measured on the embedded model, top-4 tree: 93 rounds and 778 plain steps over 16 chat prompts,
 where speculating every step ran 2.1x plain). While speculating, a plain step after 2,
 then 4, 8, ... up to `refresh_every` rounds keeps t_dec current (soon at first: one early
 measurement is not yet to be trusted), up to `max_refresh_every` while rounds beat plain decoding by
@@ -53,7 +53,7 @@ plain decoding between them): while guesses come, plain decoding runs no probes 
 rounds within guess_near of paying (a guess is a depth-1 draft, and a drafter's acceptance comes
 in runs, so the guesses read low: 0.69 a token where rounds accepted 0.87), and at a far context
 a reply starts plainly, measuring rounds only if the guesses, at the last context's costs
-relative to a decode step, say a round would pay. Measured on the embedded pair
+relative to a decode step, say a round would pay. Measured on the embedded model
 after 1.5k-12k tokens, where its drafter accepts 1-2 tokens a round: two measuring rounds and the
 probes had cost 4-10% of a 96-token reply (docs/speculation.md).
 
@@ -86,12 +86,12 @@ class SpecPolicy:
     wide_margin: float = 1.5              # rounds emitting this far ahead of plain decoding refresh its cost only every
     max_refresh_every: int = 64           # ... up to this many rounds: a decode cost off by less than the margin
     #                                       cannot turn them into a loss, and each refresh (4 plain steps, then a
-    #                                       cold round) cost the embedded pair's chat ~2% (twentieth pass)
+    #                                       cold round) cost the embedded model's chat ~2%
     margin: float = 1.0                   # speculate when its rate beats plain by this factor
     hysteresis: float = 0.2               # ... and by (1 + this) more to switch from plain decoding
     guessing: bool = False                # the drafter scores its guesses (record_guesses; set by the engine)
     guess_every: int = 32                 # plain steps between the drafter's guesses being scored (each a drafter call:
-    #                                       ~1.5 ms on the embedded pair, whatever the count)
+    #                                       ~1.5 ms on the embedded model, whatever the count)
     guesses_per_catch_up: int = 8         # the last this many of them scored (keep^8 = 0.34: older ones weigh little)
     max_guess_every: int = 256            # ... the interval doubling up to this while the guesses say plain
     plain_sample_every: int = 8           # while no round could pay, one plain step in this many is timed
@@ -100,8 +100,8 @@ class SpecPolicy:
     #                                       last: at 0.8B int4 a full-vocabulary MTP head's took ~1 decode step)
     charge_switches: bool = True          # a probe's budget also pays for the steps it leaves cold: where the
     #                                       caches are shared, a call right after another session's ran 1.1-1.5
-    #                                       ms slower on a ~2 ms embedded step (docs/speculation.md, twenty-third
-    #                                       pass: adaptive 0.86-0.95 -> 0.97-1.05x plain where rounds lose)
+    #                                       ms slower on a ~2 ms embedded step (docs/speculation.md:
+    #                                       adaptive 0.86-0.95 -> 0.97-1.05x plain where rounds lose)
     guess_near: float = 0.85              # guesses that put rounds within this of plain's rate still probe: a
     #                                       guess is a depth-1 draft, and acceptance comes in runs (embedded
     #                                       pair, 24-token prompt: guesses 0.69, rounds 0.87 a token)
@@ -172,7 +172,7 @@ class SpecPolicy:
     def _median(self, seen: deque) -> float:
         """A cost's median, computed again only after a new measurement: the policy asks for it every
         step, and recomputing all of them (six depths, twice a step) took ~60 µs of a ~2.5 ms plain
-        step on the embedded pair."""
+        step on the embedded model."""
         m = self._medians.get(id(seen))
         if m is None:
             m = self._medians[id(seen)] = median(seen)
@@ -183,8 +183,8 @@ class SpecPolicy:
         """A plain step's cost: the fastest of the recent ones, not their median. A plain step right
         after a round runs slow (the caches and the cores' state are the round's), and in a run of
         mostly rounds nearly every plain step is such a one: their median rated plain decoding ~1.5x
-        too slow and kept rounds going at 0.90x plain (embedded pair, docs/speculation.md, eleventh
-        pass). Noise only ever adds time, so the fastest is the steady step the choice is against."""
+        too slow and kept rounds going at 0.90x plain (embedded model, docs/speculation.md). Noise only
+        ever adds time, so the fastest is the steady step the choice is against."""
         return min(self._decode) if self._decode else None
 
     @property
@@ -226,7 +226,7 @@ class SpecPolicy:
         """(draft cost per level, {verify key: fixed cost}, unit): seconds are those costs times the
         unit. Measured at this context, unit 1; before they are, the last context's in decode steps,
         unit this context's decode step (a round's cost tracks the decode step's as the context grows:
-        3.0 and 3.4 decode steps at 24 and 1.5k tokens on the embedded pair); None while neither is
+        3.0 and 3.4 decode steps at 24 and 1.5k tokens on the embedded model); None while neither is
         known."""
         if self.draft_level_s is not None and self._fixed:
             return self.draft_level_s, self.fixed_s, 1.0
@@ -249,7 +249,7 @@ class SpecPolicy:
         """Each depth's round cost in the costs' unit (None where its device has no measured verify),
         worked out again only when the costs or a depth's verify graph change. rounds_can_pay asks for
         all of them whenever the fastest decode step moves (every ~3 plain steps): rebuilt each time,
-        they took ~2% of the embedded pair's decoding after 500 tokens (cProfile, sixteenth pass)."""
+        they took ~2% of the embedded model's decoding after 500 tokens (cProfile)."""
         graphs = self._depth_graphs()
         kept = self._rounds_kept
         if kept is not None and kept[0] is costs[1] and kept[1] == costs[0] and kept[2] == graphs:
@@ -269,7 +269,7 @@ class SpecPolicy:
             # a verify size costs at most what any larger measured size costs (a larger graph does more
             # work): an unmeasured size, or one measured a few times under a load spike and then never
             # chosen again, is charged as the cheapest measured size at or above it. Measured on the
-            # embedded pair: one 36.8 ms 4-node verify, beside 16 ms for 8 nodes, kept depths 1-3 out
+            # embedded model: one 36.8 ms 4-node verify, beside 16 ms for 8 nodes, kept depths 1-3 out
             # for a whole reply. Above every measured size: the largest one.
             above = [v for size, v in sizes if size >= _size(key)]
             fixed = min(above) if above else max(sizes, key=lambda sv: sv[0])[1]
@@ -282,7 +282,7 @@ class SpecPolicy:
         depth and rate in the costs' unit are kept until a round's cost, the acceptance evidence or a
         depth's verify graph changes: plain steps change none of them (at a far context, where the
         costs are the last context's in decode steps, each plain step moved the decode step's median
-        and the policy recomputed every depth: 47 of 63 µs a plain step on the embedded pair)."""
+        and the policy recomputed every depth: 47 of 63 µs a plain step on the embedded model)."""
         costs = self._costs()
         if costs is None:
             return 0, 0.0
@@ -317,10 +317,10 @@ class SpecPolicy:
         """Whether the best round could beat plain decoding by the margin to leave it if every draft
         were accepted, by the costs measured at this context (or the last context's, in decode steps).
         While it could not, the drafter's guesses and the probe rounds only cost time: a reply with
-        no round at all ran 0.92-0.96x plain for them on the embedded pair, where a round cost ~6
-        plain steps (docs/speculation.md, eleventh pass). True while the costs are unknown. The answer
+        no round at all ran 0.92-0.96x plain for them on the embedded model, where a round cost ~6
+        plain steps (docs/speculation.md). True while the costs are unknown. The answer
         is kept until a cost is measured again or a depth's verify graph changes (it is asked every
-        plain step, where ~20 µs is 1% of the embedded pair's step)."""
+        plain step, where ~20 µs is 1% of the embedded model's step)."""
         graphs = self._graphs
         kept = self._can_pay
         if kept is not None and kept[0] == self._version and (graphs is None or kept[1] == graphs):
@@ -356,13 +356,12 @@ class SpecPolicy:
     def budget_interval(self) -> int:
         """Plain steps a probe must wait for so that its expected extra time (two rounds of the best
         depth, less the tokens they are expected to emit at a plain step's cost) stays within
-        `probe_budget` of the plain decoding between probes. Measured on the embedded pair, quiet
+        `probe_budget` of the plain decoding between probes. Measured on the embedded model, quiet
         machine: a 96-token reply at a new context paid 6-8 rounds of probes, 25-35 plain steps'
         worth, and ran 0.61-0.85x plain where plain was right. With charge_switches the probe also
         pays for its first round and the plain step after it running cold (each measured against a
         run of its own kind): not charged, where the caches are shared, adaptive decoding ran 0.86-0.95x
-        plain at contexts where rounds lose, with probes budgeted at 5% (docs/speculation.md,
-        twenty-third pass)."""
+        plain at contexts where rounds lose, with probes budgeted at 5% (docs/speculation.md)."""
         t_dec = self.decode_s
         if t_dec is None or self.probe_budget <= 0:
             return 0
@@ -407,7 +406,7 @@ class SpecPolicy:
             # judged by this context's guesses alone, asked soon (above): after a 12k-token document's
             # plain reply (acceptance 0.23 there, guesses asked every 256 steps) the next short chat
             # replies (95 tokens) asked no guesses, or 8 weighed against the document's, and stayed
-            # plain where rounds paid 1.15x (embedded pair, scripts/bench/bench_speculative.py's sweep)
+            # plain where rounds paid 1.15x (embedded model, scripts/bench/bench_speculative.py's sweep)
             if self._await_guesses:  # (q stays: guesses are first drafts and cannot measure it)
                 self.successes = self.failures = 0.0
             weight = self.run_successes + self.run_failures
@@ -439,13 +438,13 @@ class SpecPolicy:
                 and not (self._refreshing or self._probe_depth or self._await_guesses)
                 and self._plain_run < self.max_budget_interval):
             # plain decoding where no round could pay, until the next probe: what _choose would answer,
-            # without its ~15 µs a step (1% of the embedded pair's step)
+            # without its ~15 µs a step (1% of the embedded model's step)
             self.decisions.append(0)
             self._fast_plain = True
             return 0
         self._fast_plain = False
         # each depth's verify graph, asked once for the whole decision (it was asked ~18 times a step:
-        # ~40 of a policy's ~60 µs a step on the embedded pair)
+        # ~40 of a policy's ~60 µs a step on the embedded model)
         self._graphs = self._graphs_now()  # (None between calls)
         try:
             held = self._plain_held
@@ -473,7 +472,7 @@ class SpecPolicy:
         """The depth of the rounds that measure the costs (at the start, and again at a far context):
         as deep as the drafts still have an even chance, 1 with no evidence. At max depth, a reply at
         a new context whose drafter accepted little paid two full rounds before plain decoding
-        (embedded pair, 12k tokens of source: acceptance length 1.0-1.3)."""
+        (embedded model, 12k tokens of source: acceptance length 1.0-1.3)."""
         # Laplace's rule: one accepted draft is not yet a drafter that is always right (with the raw
         # rate, the first measuring round's success sent the second to full depth)
         p = (self.successes + 1.0) / (self.successes + self.failures + 2.0)
@@ -493,7 +492,7 @@ class SpecPolicy:
             return self.measuring_depth()  # measure a round (the second of a run is the one kept)
         if self.decode_s is None or self._refreshing:  # ... then plain steps, likewise
             # a refresh runs refresh_steps plain steps: the first few after a round run slow (~1.6,
-            # 1.6, 1.3x a steady one, docs/speculation.md, ninth pass), and decode_s keeps the fastest
+            # 1.6, 1.3x a steady one, docs/speculation.md), and decode_s keeps the fastest
             self._refreshing = self._refreshing and self._plain_run < self.refresh_steps - 1
             return 0
         if self._probe_depth:  # a probe's second round: the one whose costs are kept
@@ -535,7 +534,7 @@ class SpecPolicy:
         """_choose answered plain with no probe due: until its inputs change (_signature), the answer
         stays plain up to the plain run's length where a probe could be due, so choose() need not work it
         out again each step. The whole decision, asked every plain step after 500 tokens (where the
-        guesses keep rounds near paying), was ~1.5% of the embedded pair's decoding (sixteenth pass)."""
+        guesses keep rounds near paying), was ~1.5% of the embedded model's decoding."""
         if not self.rounds_can_pay():
             due = self.max_budget_interval
         elif self._guessed:
@@ -549,7 +548,7 @@ class SpecPolicy:
         """Whether the next plain step is to be timed (record_plain) or only counted (count_plain): all
         are, except while plain decoding runs where no round could pay, where one in
         plain_sample_every is (enough for decode_s to follow the context; timing each step and
-        recording it cost ~0.8% of the embedded pair's 1.8 ms step, paired, twelfth pass)."""
+        recording it cost ~0.8% of the embedded model's 1.8 ms step, paired)."""
         return not self._fast_plain or self._plain_run % self.plain_sample_every == 0
 
     def count_plain(self) -> None:
@@ -565,7 +564,7 @@ class SpecPolicy:
             before = self.decode_s
             self._add(self._decode, seconds)
             if self.decode_s != before:  # rounds_can_pay's answer is kept until then: it was asked anew
-                self._version += 1       # every plain step, ~20 µs of the embedded pair's 1.5 ms
+                self._version += 1       # every plain step, ~20 µs of the embedded model's 1.5 ms
         self.count_plain()
 
     def guesses_due(self, decoded: int) -> bool:

@@ -31,8 +31,8 @@ from .step_inputs import chain_rows, context_feed
 # measured best) follows where rounds verify: on the CPU each verify node costs one more row of every
 # weight matmul (0.8B int4: a 4-node verify 1.55-1.64 decode steps, 8 nodes 2.3, 16 nodes 3.9-4.4),
 # so a chain, which puts every node on the path most likely accepted; on the NPU the verify graph's
-# N is static and its extra nodes cost nothing, so a top-4 tree. Measured on the embedded pair, CPU
-# verify, 8 chat prompts, a round every step (docs/speculation.md, fourteenth pass): chain
+# N is static and its extra nodes cost nothing, so a top-4 tree. Measured on the embedded model, CPU
+# verify, 8 chat prompts, a round every step (docs/speculation.md): chain
 # 1.54-1.76x plain, the top-4 tree 0.52-0.84x (acceptance 5.6-5.9 vs 3.6 a round: at a sized
 # verify's budget the tree cuts the chain's deep tail for breadth).
 CHAIN_SHAPE = {"top_k": 1, "depth": 6, "total_tokens": 6}
@@ -94,7 +94,7 @@ def tree_feed(cfg: ModelConfig, state: State, tree: Tree) -> dict[str, np.ndarra
 @functools.lru_cache(maxsize=32)
 def _chain_tree(n: int, k: int) -> tuple[np.ndarray, ...]:
     """tree_feed's structure inputs for a chain of n nodes (read-only, kept): built each round, with
-    context_feed's rotary rows, they took 0.19-0.35 ms of the embedded pair's ~10 ms chain round."""
+    context_feed's rotary rows, they took 0.19-0.35 ms of the embedded model's ~10 ms chain round."""
     depth, visible = chain_rows(n)
     out = (visible.astype(np.float32), depth, visible, tree_conv_select(list(range(-1, n - 1)), k), np.ones(n, np.float32))
     for a in out:
@@ -192,8 +192,8 @@ def commit_path(state: State, out: dict[str, np.ndarray], tree: Tree, path: list
 # A round's commit runs on a worker thread while the drafter observes the round's tokens (numpy's
 # kernels and ONNX Runtime's run both release the GIL; the drafter reads none of the target's state)
 # once the GDN states are this large: the 0.8B's 18 MiB took 4.1-4.8 ms to commit and ~3 ms to
-# observe, and side by side the two took 1.7-2.0 ms less than one after the other (docs/speculation.md,
-# twenty-second pass). A small model's commit is shorter than the hand-off (~0.1 ms).
+# observe, and side by side the two took 1.7-2.0 ms less than one after the other (docs/speculation.md).
+# A small model's commit is shorter than the hand-off (~0.1 ms).
 COMMIT_BESIDE_MIN_BYTES = 4 << 20
 
 

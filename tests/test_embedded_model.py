@@ -43,7 +43,7 @@ def test_speculation_on_the_embedded_pair_is_lossless_and_accepts_drafts():
 
 def test_full_depth_rounds_on_the_embedded_pair_verify_the_whole_chain_and_stay_lossless():
     """The shipped draft shape is a deep chain because this pair's drafts are accepted far down
-    (docs/speculation.md, fifteenth pass): rounds at the recorded depth verify all its nodes on the
+    (docs/speculation.md): rounds at the recorded depth verify all its nodes on the
     CPU, emit what plain decoding does, and accept past the depth-6 chain's ceiling of 7 a round."""
     engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
     engine.pipelines["verify"]  # opened now, not still opening while the first steps decode plainly

@@ -55,7 +55,7 @@ def test_a_drafter_that_is_always_right_speculates_at_full_depth():
 
 
 def test_rounds_far_ahead_of_plain_refresh_the_decode_cost_less_often():
-    """A refresh is four plain steps and a cold round after them: on the embedded pair's chat, where
+    """A refresh is four plain steps and a cold round after them: on the embedded model's chat, where
     rounds ran ~2x plain, they made the default policy 2-20% slower than a round every step (twentieth
     pass). While the best round beats plain decoding by wide_margin (1.5x), a decode cost off by
     less cannot turn rounds into a loss, so the interval doubles on to max_refresh_every (64); nearer
@@ -190,7 +190,7 @@ def test_where_no_round_could_pay_there_are_no_probes():
 
 
 def test_where_no_round_could_pay_one_plain_step_in_eight_is_timed():
-    """Timing and recording each plain step was ~0.8% of the embedded pair's step; where choose()
+    """Timing and recording each plain step was ~0.8% of the embedded model's step; where choose()
     answers plain because no round could pay, only every eighth one is timed, the others counted, and
     the probe still comes after max_budget_interval plain steps."""
     p = SpecPolicy(6, probe_budget=0, max_budget_interval=200)
@@ -426,7 +426,7 @@ def test_a_far_context_starts_plainly_and_asks_the_guesses():
 
 def test_guesses_near_paying_still_let_a_probe_measure_rounds():
     """A guess is a depth-1 draft, and where a drafter's acceptance comes in runs the guesses read low
-    (embedded pair: 0.69 a token where rounds accepted 0.87). Guesses right every other time leave a
+    (embedded model: 0.69 a token where rounds accepted 0.87). Guesses right every other time leave a
     round (15 ms + 1 ms a level against a 10 ms step) at 1.04x plain's rate: short of the switch
     (1.2x) but near, so a probe runs and, its rounds accepting everything, speculation goes on.
     Guesses never right (0.6x) run no probe."""
@@ -794,12 +794,12 @@ def test_a_replys_first_round_after_a_break_is_not_kept():
 def test_guesses_are_read_with_the_runs_the_rounds_showed():
     """A drafter whose chains run long (9 of 14 drafts a round) and whose first guesses hit 0.7 a token:
     one rate read off the guesses (0.7) puts a 14-deep round at 3.3 tokens, under plain decoding's
-    rate, and after a far context the policy stayed plain (embedded pair after 1,500 tokens on a Zen
+    rate, and after a far context the policy stayed plain (embedded model after 1,500 tokens on a Zen
     3: 2 of 3 replies ran no round where speculating every step ran 1.44x plain). With q kept from
     the rounds before, the same guesses put a round at ~6 tokens and the policy speculates again;
     a drafter whose rounds never ran on (1 of 14) stays plain after the same guesses."""
     guesses = [True, True, False, True, True, False, True, False, True, True] * 2  # 0.7
-    plain_ms, level_ms, fixed_ms = 2.0, 0.25, 7.0  # the embedded pair's chat on the Zen 3, roughly
+    plain_ms, level_ms, fixed_ms = 2.0, 0.25, 7.0  # the embedded model's chat on the Zen 3, roughly
 
     def after_far_context(runs_on, accepted):
         p = SpecPolicy(14, guessing=True, runs=runs_on)

@@ -56,7 +56,7 @@ import harness  # noqa: E402  (one JSON object on stdout and in --out, machine a
 from harness import paired, rotated  # noqa: E402,F401  (the arm order turned each round, the median paired ratio)
 
 # EAGLE-2 tree shapes (docs/eagle3-drafter.md); a chain is the tree of width 1. The chat rows' chain
-# is the export's recorded one where it records a chain for that drafter (the embedded pair: depth 14)
+# is the export's recorded one where it records a chain for that drafter (the embedded model: depth 14)
 SHAPES = {"tree": {"top_k": 4, "depth": 6, "total_tokens": 31},
           "chain": {"top_k": 1, "depth": 6, "total_tokens": 6}}
 

@@ -53,7 +53,7 @@ DRAFT_SHAPE = {"top_k": 1, "depth": 14, "total_tokens": 14}
 # The drafters' weights: int8 (MatMulNBits) beside the fp16-stored, fp32-computed target. A drafter
 # call reads its weights from cache every level (~7.5 MB at fp32 here); at int8 a depth-14 chain
 # drafted in 2.7 ms a round against 5.2, acceptance the same (8.9 vs 8.8 a round), 2.08x plain
-# against 1.82x on the chat prompts (6 paired repeats, docs/speculation.md, fifteenth pass). The
+# against 1.82x on the chat prompts (6 paired repeats, docs/speculation.md). The
 # shipped mtp/ was built before this (fp16); a rebuild with --mtp quantises it too.
 DRAFTER_WEIGHTS = "int8"
 

@@ -14,8 +14,8 @@ is stored more than once (the drafter's copy of the target's embedding) with the
 Norm offsets (Qwen3.5's zero-centred 1 + w) live in the graphs, not in the stored weights, so the
 weights come back as the checkpoint held them, rounded to the export's storage (fp16 matrices).
 Quantised exports cannot be inverted (their blocks are lossy): refused. A float target beside a
-quantised drafter (`--drafter-weights int8`, as the embedded model ships since its fifteenth pass)
-gives its target only. The embedded pair's float drafter is the fp16 drafter/ of the package before
+quantised drafter (`--drafter-weights int8`, as the embedded model ships)
+gives its target only. The embedded model's float drafter is the fp16 drafter/ of the package before
 that change (git: the parent of the commit that made it int8); this script rebuilds both from it.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A flipped byte in weights.bin changes the text a model writes without any error, so every file
 an export writes (graphs, weights, tokenizer, drafter, context binaries; not model.json itself)
 gets its size and SHA-256 in the manifest's "integrity" entry. SHA-256 because hashlib's runs on
-the CPU's SHA instructions: 1.6 GB/s streaming here, twice blake2b's 0.8 GB/s
-(scripts/results/integrity_hash.json, a 1.6 GB file, shared machine).
+the CPU's SHA instructions: 1.6 GB/s streaming here, twice blake2b's 0.8 GB/s (a 1.6 GB file on a
+shared machine; docs/reliability-export.md).
 
 When: sizes on every load (a stat; catches truncated and empty files), full hashes at the first
 load of each file and again whenever it changes. "Changes" is a stat key (device, inode, size,

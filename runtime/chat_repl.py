@@ -121,7 +121,7 @@ def status_line(reply: Reply, conv: Conversation, width: int | None = None) -> s
     if "acceptance_length" in s:
         plain = f", {s['plain_steps']} plain steps" if s.get("plain_steps") else ""  # where rounds did not pay
         parts.append(f"accept {s['acceptance_length']:.2f} over {s['rounds']} rounds{plain}")
-    parts.append(f"context {len(conv.engine.context_ids())}/{mem['max_context']}")
+    parts.append(f"context {mem['context_tokens']}/{mem['max_context']}")  # the count /stats and /load give
     parts.append(f"RSS {psutil.Process().memory_info().rss / 2**20:.0f} MiB")
     parts[0] = ("[stopped] [" if reply.stopped else "[") + parts[0]
     parts[-1] += "]"
@@ -215,7 +215,7 @@ class Repl:
             else:
                 self.conv.load(arg)
                 self.say(f"loaded {arg}: {len(self.conv.messages)} messages, "
-                         f"{len(self.conv.engine.context_ids())} tokens of context")
+                         f"{self.conv.engine.memory_report()['context_tokens']} tokens of context")
         elif name == "tool":
             if not arg:
                 raise UserError("/tool needs the tool's result, e.g. /tool {\"temperature\": 21}")

@@ -87,6 +87,10 @@ class Engine:
         self.path = Path(path)
         manifest_file = self.path / MANIFEST
         if not manifest_file.exists():
+            if (self.path / "config.json").is_file():  # a Hugging Face checkpoint: export beside it, not into it
+                out = self.path.with_name(self.path.name + "-hybrid")
+                raise UserError(f"{self.path} is a checkpoint, not a hybrid-npu export (no {MANIFEST}); "
+                                f"export it first: export-hybrid {self.path} {out}, then load {out}")
             raise UserError(f"{self.path} is not a hybrid-npu export (no {MANIFEST}); "
                             f"create one with: export-hybrid CHECKPOINT {self.path}")
         if prefill not in PREFILL_MODES:
@@ -320,11 +324,13 @@ class Engine:
         return max(self.memory.max_context - self.state.position, 0)
 
     def memory_report(self) -> dict:
-        """Fixed and per-token costs, the context now and the largest one the budget allows."""
+        """Fixed and per-token costs, the context now and the largest one the budget allows.
+        context_tokens counts every token of the conversation, the last reply's final token included
+        (it enters the state on the next step): the count the REPL's status line and last_stats give."""
         return {"state_bytes": self.memory.state_bytes, "checkpoint_bytes": self.memory.checkpoint_bytes,
                 "checkpoints": len(self.checkpoints), "kv_bytes_per_token": self.memory.kv_bytes_per_token,
                 "weights_bytes": self.memory.weights_bytes, "budget_bytes": self.memory.budget_bytes,
-                "context_tokens": self.state.position, "max_context": self.memory.max_context,
+                "context_tokens": self.state.position + len(self._pending), "max_context": self.memory.max_context,
                 "kv_bytes_in_use": self.state.kv_bytes_in_use()}
 
     def _check_ids(self, ids) -> None:

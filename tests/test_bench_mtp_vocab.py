@@ -3,7 +3,6 @@ logits outside the kept tokens masked, the head drafts only those, and speculati
 import sys
 from pathlib import Path
 
-import numpy as np
 
 import hybrid_npu
 from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab

@@ -74,7 +74,6 @@ def test_npu_chat_one_shot_json_uses_the_embedded_model_by_default():
 def test_npu_chat_drafter_mtp_speculates_with_the_shipped_mtp_head():
     """--drafter mtp picks the MTP head the embedded model ships beside EAGLE-3: the reply is the
     plain decode's; an export without one is refused in one line (exit 2)."""
-    from hybrid_npu.runtime.chat_cli import main
 
     engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1, drafter="mtp")
     assert type(engine.drafter).__name__ == "MtpDrafter"

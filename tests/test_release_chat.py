@@ -24,7 +24,7 @@ from hybrid_npu.runtime.tool_calls import parse_tool_calls
 
 from conftest import CHUNK, Release, hf_tokenizer
 from qwen35_release import (ENDOFTEXT_ID, IM_END_ID, INTEGRATION_IDS, INTEGRATION_TEXT, RELEASE,
-                            write_real_vocab_checkpoint, write_release_tokenizer)
+                            write_real_vocab_checkpoint)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -22,7 +22,6 @@ default's. With three engines the order of a turn is the three turned by the tur
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path

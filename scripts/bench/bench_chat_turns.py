@@ -8,10 +8,10 @@ Prints one JSON object: per-turn prefill tokens, context tokens and prefill seco
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
+import harness  # one JSON object, machine and commit recorded (this folder is on sys.path when run)
 import hybrid_npu
 from hybrid_npu.runtime.conversation import Conversation, Sampling
 
@@ -46,8 +46,7 @@ def main(argv=None) -> int:
     out = {"model": str(model), "turns": a.turns, "max_new_tokens": a.max_new_tokens, "think": a.think,
            "with_checkpoints": run(model, a.turns, a.max_new_tokens, a.think, 8),
            "without_checkpoints": run(model, a.turns, a.max_new_tokens, a.think, 0)}
-    json.dump(out, sys.stdout, indent=1)
-    print()
+    harness.emit(out)  # one JSON object, with the machine and commit
     return 0
 
 

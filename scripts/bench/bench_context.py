@@ -21,6 +21,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (one JSON object, machine and commit recorded)
 from random_checkpoint import make_random_checkpoint  # noqa: E402
 
 LENGTHS = [0, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -126,12 +127,11 @@ def main() -> int:
     hybrid = {r["context"]: r["decode_tokens_per_s"] for r in series["hybrid (18 GDN + 6 attention)"]}
     full = {r["context"]: r["decode_tokens_per_s"] for r in series["all full attention (24 layers)"]}
     result = {"model": "Qwen3.5-0.8B text config, random weights, fp32, CPU EP",
-              "machine": f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB, "
-                         f"{args.threads} threads", "series": series}
+              "threads": args.threads, "series": series}
     if 0 in hybrid and 8192 in hybrid:
         result["hybrid_8k_over_empty"] = round(hybrid[8192] / hybrid[0], 3)
         result["full_8k_over_empty"] = round(full[8192] / full[0], 3)
-    print(json.dumps(result, indent=1))
+    harness.emit(result)  # with the machine and commit
     if args.plot:
         plot(result, args.plot)
     return 0

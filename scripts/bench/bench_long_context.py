@@ -17,7 +17,9 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1] / "tests"))
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # fixtures: the tiny checkpoint
+sys.path.insert(0, str(HERE.parent / "train"))  # chatml_tokenizer, which fixtures uses
+import harness  # noqa: E402  (one JSON object, machine and commit recorded)
 
 
 def build(which: str, workdir: Path) -> Path:
@@ -69,10 +71,10 @@ def main() -> int:
     engine.prefill(ids, progress)
     total = time.perf_counter() - t0
     rates = [w["tokens_per_s"] for w in windows]
-    print(json.dumps({"model": args.model, "tokens": args.tokens, "total_s": round(total, 1),
-                      "mean_tokens_per_s": round(args.tokens / total, 1),
-                      "last_over_first_window": round(rates[-1] / rates[0], 3), "windows": windows,
-                      "memory_report": engine.memory_report()}, indent=1))
+    harness.emit({"model": args.model, "tokens": args.tokens, "total_s": round(total, 1),
+                  "mean_tokens_per_s": round(args.tokens / total, 1),
+                  "last_over_first_window": round(rates[-1] / rates[0], 3), "windows": windows,
+                  "memory_report": engine.memory_report()})
     return 0
 
 

@@ -3,13 +3,10 @@ exports. Building is cheap (< 1 s each) but exports are reused across test files
 import atexit
 import os
 import shutil
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 # the integrity check's record of verified files goes to a scratch folder, not the user's cache
 if "HYBRID_NPU_CACHE" not in os.environ:
     os.environ["HYBRID_NPU_CACHE"] = tempfile.mkdtemp(prefix="hybrid-npu-cache-")

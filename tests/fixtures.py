@@ -26,12 +26,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
 import chatml_tokenizer  # noqa: E402  (the tokenizer train_target.py gives the embedded model)
 
 LIN, FULL = "linear_attention", "full_attention"

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "bench"
-sys.path.insert(0, str(SCRIPTS))
 
 
 def _run(*args, cwd):

@@ -1,13 +1,10 @@
 """scripts/bench/bench_mtp_vocab.py emulates a trimmed MTP head on the embedded model's own: with its
 logits outside the kept tokens masked, the head drafts only those, and speculation stays lossless."""
-import sys
-from pathlib import Path
 
 
 import hybrid_npu
 from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 from bench_mtp_vocab import masked  # noqa: E402
 
 

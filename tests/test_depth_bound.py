@@ -19,7 +19,6 @@ import hybrid_npu
 from hybrid_npu.export.exporter import export
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "bench"
-sys.path.insert(0, str(SCRIPTS))
 import depth_bound  # noqa: E402
 from bench_context import fill_context  # noqa: E402
 

@@ -3,16 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-try:
-    from . import fixtures as F
-except ImportError:                                   # tests/ is not a package: import by path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import fixtures as F
+import fixtures as F
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_torch_thread():

@@ -19,7 +19,6 @@ from hybrid_npu.export.exporter import export
 from hybrid_npu.export.quantize import dequantize_blockwise
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "bench"
-sys.path.insert(0, str(SCRIPTS))
 import matmul_ceiling  # noqa: E402
 
 

@@ -256,10 +256,7 @@ def test_training_module_computes_what_the_export_runs(mtp_export):
     """scripts/train/mtp_model.py's TTT unroll against the numpy reference: step 0 is the head over the
     sequence; step 1 at row t is the chained step the runtime drafts (its own hidden, token t+2,
     position t+1, seeing rows 0..t and itself)."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
     from mtp_model import MtpHead
 
     from hybrid_npu.config import ModelConfig
@@ -292,10 +289,7 @@ def test_training_unroll_is_the_runtime_drafter_with_its_window(mtp_export, wind
     row t is its observe of rows 0..t (a row at a time, as a window needs), steps 1.. the chain it
     proposes from there; with a window, the training mask reads the rows the runtime reads (an
     observed row the window before it and itself, a chained step the last `window` stable rows)."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
     from mtp_model import MtpHead
 
     from hybrid_npu.config import ModelConfig

@@ -6,14 +6,12 @@ computes at inference (observe + chain propose), the loss can go down, and a tra
 exports and speculates losslessly.
 """
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
 import drafter_fixtures as dfx  # noqa: E402
 import fixtures  # noqa: E402
 import eagle3_data  # noqa: E402

@@ -2,12 +2,9 @@
 training mask, a saved head that exports and speculates losslessly, and --init continuing from it.
 (The head's unroll against the runtime's windowed drafter: tests/test_mtp_drafter.py.)"""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "train"))
 import train_mtp  # noqa: E402
 from test_train_drafter import _corpus  # noqa: E402  (the same small corpus)
 

@@ -21,6 +21,20 @@ def report(prog: str, error) -> int:
     return getattr(error, "exit_code", 2)
 
 
+def max_threads() -> int:
+    """The most --threads any CLI takes: 4x this machine's logical CPUs (more only adds contention;
+    each thread holds a stack and ORT's per-thread buffers, so 100000 took gigabytes)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_threads(threads) -> None:
+    """--threads as every CLI checks it: None (the profile's), or 1 to max_threads()."""
+    from hybrid_npu.errors import UserError
+
+    if threads is not None and not 1 <= threads <= max_threads():
+        raise UserError(f"--threads {threads}: give 1 to {max_threads()} (4x the {os.cpu_count() or 1} CPUs here)")
+
+
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 

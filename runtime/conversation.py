@@ -180,11 +180,14 @@ class Conversation:
     def reply(self, text: str, sampling: Sampling, on_text: Callable[[str], None] | None = None,
               should_stop: Callable[[], bool] | None = None, role: str = "user") -> Reply:
         """Add the user's message (role "tool": a tool's result), generate the assistant's reply
-        (streamed to on_text), keep both. A reply cut short by should_stop is kept as it is."""
+        (streamed to on_text), keep both. A reply cut short by should_stop is kept as it is;
+        should_stop while the template renders (before any token) refuses the turn with a UserError
+        and leaves the conversation and the engine as they were."""
         messages = self.messages + [{"role": role, "content": text}]
-        full = self.prompt_ids(messages)
+        full = self.prompt_ids(messages, should_stop)
+        marks = checkpoint_marks(self.engine, self.template, messages, full, self.enable_thinking, self.tools,
+                                 should_stop)
         kept = self.engine.resume(full)  # keeps, or goes back to a checkpoint, or starts over
-        marks = checkpoint_marks(self.engine, self.template, messages, full, self.enable_thinking, self.tools)
         ids = generate_streamed(self.engine, full[kept:], sampling.max_new_tokens, on_text,
                                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                 seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, append=True,

@@ -128,7 +128,10 @@ class Guard:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
 
+def too_large_message(limit: int) -> str:
+    return (f"the request body is over {limit:,} bytes, the bound --max-request-bytes sets (its default is sized "
+            "from the context); send a shorter conversation or start npu-serve with a larger one")
+
+
 def too_large(limit: int):
-    return _reply(413, f"the request body is over {limit:,} bytes, the bound --max-request-bytes sets (its default "
-                       "is sized from the context); send a shorter conversation or start npu-serve with a larger one",
-                  "request_too_large")
+    return _reply(413, too_large_message(limit), "request_too_large")

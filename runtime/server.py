@@ -10,7 +10,7 @@ at the last committed token; the context it leaves is consistent and can be resu
 Hostile requests (docs/reliability-server.md): serve_guard.py checks Host, Origin, the key,
 Content-Type and Content-Length first; the body is counted as it arrives and refused past
 --max-request-bytes; parsing, rendering and tokenizing run in a thread, never on the event loop
-(/health answers meanwhile); at most --max-queue requests wait for or use the worker, the next
+(/health answers meanwhile); at most --max-queue requests are prepared, wait for the worker or use it, the next
 gets a 503 with Retry-After; a client that disconnects stops its generation, streamed or not.
 """
 
@@ -28,7 +28,7 @@ from . import serve_api as api
 from .chat_template import ChatTemplate
 from .conversation import StreamDecoder, checkpoint_marks
 from .serve_contexts import ServedContexts
-from .serve_guard import Guard, HostCheck, too_large
+from .serve_guard import Guard, HostCheck, too_large_message
 
 DEFAULT_MAX_QUEUE = 16
 RETRY_AFTER_S = 5
@@ -207,21 +207,21 @@ def create_app(service: ChatService, api_key: str | None = None, cors_origin: st
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        raw = await body_of(request)  # before admit: a slow sender holds a connection, not a place
+        if raw is None:
+            return refuse(api.BadRequest(too_large_message(limit), status=413, code="request_too_large"))
         if not service.admit():
             return refuse(api.BadRequest(f"the server is busy ({service.max_queue} requests in progress, the bound "
                                          "--max-queue sets); retry later", status=503, kind="server_error",
                                          code="server_busy"), headers={"Retry-After": str(RETRY_AFTER_S)})
         handed = False
         try:
-            raw = await body_of(request)
-            if raw is None:
-                return too_large(limit)
             try:
                 prepared = await anyio.to_thread.run_sync(prepare, raw)
             except api.BadRequest as e:
                 return refuse(e)
             loop, cid = asyncio.get_running_loop(), api.completion_id()
-            handed = True
+            handed = True  # from here the worker's job gives the place back
             if prepared.request.stream:
                 return EventSourceResponse(_stream(service, prepared, cid, loop), ping=15, sep="\n")
             return await _complete(service, prepared, cid, loop, request, refuse)

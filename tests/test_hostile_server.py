@@ -348,3 +348,14 @@ def test_while_a_template_spins_health_answers_and_the_queue_is_bounded(hostile)
     assert "--max-queue" in one_line(json.loads(text)["error"]["message"])
     refused(got["spin"][0], got["spin"][2], "more than 5 s")
     assert request(hostile.port, "POST", "/v1/chat/completions", HELLO)[0] == 200  # its place was given back
+
+
+def test_a_reply_whose_tool_arguments_nest_100k_deep_stays_text():
+    """Model output is bounded by max_tokens, not by a nesting rule: a call whose value would not
+    parse within Python's recursion limit comes back as the text it is, not as a 500."""
+    from hybrid_npu.runtime.serve_api import tool_calls_of
+
+    value = nested(100_000)
+    reply = f"<tool_call>\n<function=f>\n<parameter=a>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    (call,) = tool_calls_of(reply, None)
+    assert json.loads(call["function"]["arguments"]) == {"a": value}

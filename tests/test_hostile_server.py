@@ -359,3 +359,18 @@ def test_a_reply_whose_tool_arguments_nest_100k_deep_stays_text():
     reply = f"<tool_call>\n<function=f>\n<parameter=a>\n{value}\n</parameter>\n</function>\n</tool_call>"
     (call,) = tool_calls_of(reply, None)
     assert json.loads(call["function"]["arguments"]) == {"a": value}
+
+
+@pytest.mark.slow
+def test_sigterm_is_honoured_while_a_template_spins(tmp_path):
+    """The event loop is free while a hostile render runs, so SIGTERM stops the server (it waits
+    for the render to reach its bound) instead of being ignored."""
+    s = Server(tmp_path, str(template_export(tmp_path, HOSTILE, full=True)))
+    t = threading.Thread(target=lambda: request(s.port, "POST", "/v1/chat/completions",
+                                                {"messages": [{"role": "user", "content": "spin"}]}))
+    t.start()
+    time.sleep(1)
+    s.proc.terminate()
+    assert s.proc.wait(timeout=60) is not None  # no kill needed
+    t.join(timeout=60)
+    s.stop()

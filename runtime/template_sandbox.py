@@ -187,7 +187,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         b.integer(result)
         return result
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
+    def call(__self, __context, __obj, *args, **kwargs):
         b = __self.budget()
         b.tick()
         _check_args(b, args, kwargs)

@@ -18,9 +18,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from hybrid_npu.runtime.serve_api import _held_tail  # noqa: E402
-
 from hostile import CHATML, MiB, one_line, template_export  # noqa: E402
+from hybrid_npu.runtime.serve_api import _held_tail  # noqa: E402
 
 KEY = "test-key-456"
 LIMIT = 1 << 20  # --max-request-bytes of the plain server

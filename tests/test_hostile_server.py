@@ -281,6 +281,11 @@ def test_threads_and_temperature_flags_are_bounded(capsys):
                                (["--temperature", "1e-9", "--prompt", "x"], chat_main, "--temperature 1e-09")):
         assert main(argv) == 2
         assert needle in one_line(capsys.readouterr().err)
+    import hybrid_npu
+    from hybrid_npu.errors import UserError
+
+    with pytest.raises(UserError, match=r"^threads=100000: give 1 to"):  # the API, before any graph opens
+        hybrid_npu.load(hybrid_npu.default_model(), threads=100000)
 
 
 # ---------------------------------------------------------------- a client that leaves (defect 4)

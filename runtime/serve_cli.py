@@ -12,7 +12,7 @@ import ipaddress
 import socket
 import sys
 
-from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads, report
+from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads, human_bytes, report
 from hybrid_npu.errors import UserError
 
 from .drafters import KINDS as DRAFTER_KINDS
@@ -40,8 +40,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-request-bytes", type=byte_size, metavar="SIZE",
                    help="largest request body, e.g. 4M (default: 64 bytes per token of context, at least 1M)")
     p.add_argument("--max-queue", type=int, default=16,
-                   help="requests in progress at once (reading, waiting or running); more get a 503 with "
-                        "Retry-After (default: 16)")
+                   help="requests in progress at once (being prepared, waiting for the model or running); more "
+                        "get a 503 with Retry-After (default: 16)")
     p.add_argument("--conversations", type=int, default=4,
                    help="conversations whose state is kept for reuse across requests (default: 4)")
     p.add_argument("--model-name", help="the model id clients use (default: the export directory's name)")
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         try:
             import uvicorn
 
-            from .server import ChatService, create_app
+            from .server import ChatService, create_app, default_max_request_bytes
         except ImportError as e:
             raise UserError(f"npu-serve needs the serve extra ({e.name} is missing): "
                             "pip install 'hybrid-npu[serve]'") from None
@@ -100,10 +100,12 @@ def main(argv=None) -> int:
         engine = open_model(a.model, a)
         service = ChatService(engine, a.model_name or engine.path.name, a.conversations,
                               False if a.no_speculative else None, max_queue=a.max_queue)
-        app = create_app(service, a.api_key, a.cors_origin, a.host, a.allowed_host, a.max_request_bytes)
+        limit = a.max_request_bytes or default_max_request_bytes(engine.memory.max_context)
+        app = create_app(service, a.api_key, a.cors_origin, a.host, a.allowed_host, limit)
         drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
         print(f"npu-serve: {engine.path} as {service.model_id!r} on http://{a.host}:{a.port}/v1 (profile "
-              f"{engine.profile.name}, speculative {drafter}, context {engine.memory.max_context} tokens); "
+              f"{engine.profile.name}, speculative {drafter}, context {engine.memory.max_context} tokens, requests up "
+              f"to {human_bytes(limit)}, {a.max_queue} at once); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)
         return 0

@@ -10,6 +10,7 @@ Ignored as llama-server and vLLM ignore them: model (one model is served), user,
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
@@ -224,12 +225,14 @@ TOOL_TAG, THINK_END = "<tool_call>", "</think>"
 
 def _held_tail(text: str, tags) -> int:
     """How many trailing characters might be the start of one of `tags` (not emitted yet): the
-    longest suffix of `text` that is a proper prefix of a tag. Linear in the tag's length (a KMP
-    automaton run over the last len(tag) - 1 characters), where trying every prefix was quadratic."""
-    return max((_prefix_suffix(text[-(len(tag) - 1):] if len(tag) > 1 else "", tag) for tag in tags), default=0)
+    longest suffix of `text` that is a proper prefix of a tag. Linear in the tag's length per call
+    (a KMP automaton over the last len(tag) - 1 characters), where trying every prefix was quadratic."""
+    return max((_prefix_suffix(text[-(len(tag) - 1):], tag) for tag in tags if len(tag) > 1), default=0)
 
 
-def _prefix_suffix(tail: str, tag: str) -> int:
+@functools.lru_cache(maxsize=64)
+def _failure(tag: str) -> tuple[int, ...]:
+    """KMP's table: fail[i] = the longest proper prefix of tag[:i + 1] that is also its suffix."""
     fail, k = [0] * len(tag), 0
     for i in range(1, len(tag)):
         while k and tag[i] != tag[k]:
@@ -237,8 +240,15 @@ def _prefix_suffix(tail: str, tag: str) -> int:
         if tag[i] == tag[k]:
             k += 1
         fail[i] = k
-    k = 0
-    for c in tail:
+    return tuple(fail)
+
+
+def _prefix_suffix(tail: str, tag: str) -> int:
+    start = tail.find(tag[0])  # no character of tail starts the tag: nothing to hold (the usual case)
+    if start < 0:
+        return 0
+    fail, k = _failure(tag), 0
+    for c in tail[start:]:
         while k and (k == len(tag) or c != tag[k]):
             k = fail[k - 1]
         if c == tag[k]:

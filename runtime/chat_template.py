@@ -20,6 +20,7 @@ from .template_sandbox import BoundedEnvironment, StopRequested, TemplateLimit, 
 
 MAX_SOURCE_CHARS = 1_000_000  # Qwen3.5's template is 7 KB; the parser recurses on nesting
 MAX_JSON_INDENT = 32
+MAX_STRFTIME_CHARS = 256
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -33,6 +34,12 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     if isinstance(indent, str) and len(indent) > MAX_JSON_INDENT or isinstance(indent, int) and indent > MAX_JSON_INDENT:
         raise TemplateLimit(f"tojson indent over the bound of {MAX_JSON_INDENT}")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    if not isinstance(fmt, str) or len(fmt) > MAX_STRFTIME_CHARS:  # '%c' expands 12-fold
+        raise TemplateLimit(f"a strftime_now format over {MAX_STRFTIME_CHARS} characters")
+    return datetime.now().strftime(fmt)
 
 
 def _one_line(e: BaseException, limit: int = 200) -> str:
@@ -61,7 +68,7 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.bound_filters()
         env.globals["raise_exception"] = _template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.globals["strftime_now"] = _strftime_now
         self._env = env
         try:  # Jinja folds constant expressions while compiling: the compile runs under the bounds too
             self._template = env.run(lambda: env.from_string(source))

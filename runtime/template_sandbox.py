@@ -34,6 +34,7 @@ class TemplateLimits:
     int_bits: int = 1024           # any integer a template computes (10**300 fits; 10**10**9 does not)
     work: int = 2_000_000          # loop steps, calls, lookups and operators, all counted alike
     depth: int = 64                # nested macro calls (a recursive macro)
+    argument: int = 1_000_000      # any integer passed to a call or filter (a width, a count)
     seconds: float = 5.0           # wall time of one compile or one render
 
 
@@ -191,6 +192,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         b = __self.budget()
         b.tick()
         _check_args(b, args, kwargs)
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("replace", "expandtabs", "join"):
+            _estimate(b, __obj.__name__, owner, args)
         b.depth += 1
         try:
             if b.depth > __self.limits.depth:
@@ -290,8 +294,30 @@ def _check_format(text: str, b: Budget) -> None:
 
 def _check_args(b: Budget, args, kwargs) -> None:
     for a in (*args, *kwargs.values()):
-        if _int(a) and abs(a) > b.limits.output_chars:
-            raise TemplateLimit(f"an argument of {a:,}, over the bound of {b.limits.output_chars:,}")
+        if _int(a) and abs(a) > b.limits.argument:
+            raise TemplateLimit(f"an argument of {a:,}, over the bound of {b.limits.argument:,}")
+
+
+def _estimate(b: Budget, name: str, value: str, args) -> None:
+    """Size what a string method or filter that multiplies its input would build, before it runs:
+    replace (every match becomes `new`), expandtabs and indent (every tab or line grows by a width),
+    join (every item plus a separator each), %-format (the widths in the format)."""
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        old, new = args[0], args[1]
+        b.size(len(value) + (value.count(old) if old else len(value) + 1) * len(new), "a replaced string")
+    elif name == "expandtabs":
+        width = args[0] if args and _int(args[0]) else 8
+        b.size(len(value) + value.count("\t") * max(width, 0), "a string with its tabs expanded")
+    elif name == "indent":
+        width = args[0] if args else 4
+        width = len(width) if isinstance(width, str) else max(width, 0) if _int(width) else 4
+        b.size(len(value) + (value.count("\n") + 1) * width, "an indented string")
+    elif name == "join" and args:
+        items = list(args[0]) if not isinstance(args[0], (str, list, tuple)) else args[0]
+        b.size(text_size(items, b) + len(value) * len(items), "a joined string")
+    elif name == "format":
+        _check_format(value, b)
+        b.size(len(value) + text_size(list(args), b), "a formatted string")
 
 
 def _check_result(b: Budget, result) -> None:
@@ -320,11 +346,11 @@ def _bounded_filter(env: BoundedEnvironment, fn):
         b = env.budget()
         b.tick()
         _check_args(b, args, kwargs)
-        if fn.__name__ == "do_replace" and len(args) >= 4 and all(isinstance(a, str) for a in args[1:4]):
-            value, old, new = map(str, args[1:4])
-            b.size(len(value) + (value.count(old) if old else len(value) + 1) * len(new), "a replaced string")
+        plain = [a for a in args if not _is_jinja_context(a)]
+        if plain and isinstance(plain[0], str) and name.removeprefix("do_") in ("replace", "indent", "format"):
+            _estimate(b, name.removeprefix("do_"), plain[0], plain[1:] + list(kwargs.values()))
         if name in _PRINTING_FILTERS:
-            text_size([a for a in args if not _is_jinja_context(a)], b)
+            text_size(plain, b)
         result = fn(*args, **kwargs)
         if isinstance(result, (str, list, tuple)):
             b.size(len(result), f"the result of filter {fn.__name__.removeprefix('do_')}")

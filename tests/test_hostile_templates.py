@@ -35,6 +35,12 @@ CASES = {
     "a str.format width of a billion": ("{{ '{:>999999999}'.format('a') }}", "format width"),
     "center to a billion": ("{{ 'a'|center(1000000000) }}", "an argument of 1,000,000,000"),
     "join a list with itself": ("{% set l = ['a' * 1000000] * 8 %}{{ l|join(l[0]) }}", "prints to over"),
+    "expand a thousand tabs to a million columns": ("{{ ('\t' * 1000).expandtabs(1000000) }}", "tabs expanded"),
+    "indent a thousand lines by a million": ("{{ ('\n' * 1000)|indent(1000000) }}", "an indented string"),
+    "a separator joined a million times": (BIG + "{{ s.join(['a'] * 100) }}", "a joined string"),
+    "a strftime_now format of '%c' a million times": ("{{ strftime_now('%c' * 1000000) }}", "strftime_now format"),
+    "a %-format filter width of a billion": ("{{ '%1000000000s'|format('a') }}", "format width"),
+    "slice into ten million lists": ("{{ [1]|slice(10000000)|list }}", "an argument of 10,000,000"),
     # integer size
     "10**(10**9)": ("{{ 10**(10**9) }}", "integer bound"),
     "squaring forty times": ("{% set ns = namespace(x=7) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"

@@ -10,8 +10,9 @@ at the last committed token; the context it leaves is consistent and can be resu
 Hostile requests (docs/reliability-server.md): serve_guard.py checks Host, Origin, the key,
 Content-Type and Content-Length first; the body is counted as it arrives and refused past
 --max-request-bytes; parsing, rendering and tokenizing run in a thread, never on the event loop
-(/health answers meanwhile); at most --max-queue requests are prepared, wait for the worker or use it, the next
-gets a 503 with Retry-After; a client that disconnects stops its generation, streamed or not.
+(/health answers meanwhile); at most --max-queue requests are prepared, wait for the worker or
+run on it, the next gets a 503 with Retry-After; a client that disconnects stops its generation,
+streamed or not.
 """
 
 import asyncio

@@ -128,6 +128,18 @@ def status_line(reply: Reply, conv: Conversation, width: int | None = None) -> s
     return wrap_parts(parts, width)
 
 
+def check_utf8(line: str) -> None:
+    """A line read from stdin with bytes that are not UTF-8 (they arrive as surrogate escapes) is the
+    user's input, not a bug: refused in one line, the conversation untouched."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = line[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"\\u{ord(bad):04x}"
+        raise UserError(f"that line is not UTF-8 text ({byte} at column {e.start + 1}); it was not sent, the "
+                        "conversation is kept; set your terminal or file to UTF-8") from None
+
+
 def _line_reader():
     """prompt_toolkit on a terminal (history kept in memory: Up recalls what was typed); plain
     input() when stdin is a pipe, so `npu-chat < questions.txt` works too."""
@@ -137,6 +149,8 @@ def _line_reader():
 
         session = PromptSession(history=InMemoryHistory())
         return lambda: session.prompt(PROMPT)
+    if hasattr(sys.stdin, "reconfigure"):  # bad bytes reach check_utf8 as one refused line, not a lost buffer
+        sys.stdin.reconfigure(errors="surrogateescape")
     return lambda: input(PROMPT)
 
 
@@ -157,6 +171,10 @@ class Repl:
                 line = read()
             except KeyboardInterrupt:  # Ctrl-C at the prompt: prompt_toolkit cleared the line
                 continue
+            except UnicodeDecodeError as e:  # stdin that could not take surrogateescape
+                report("npu-chat", UserError(f"input is not UTF-8 text (byte 0x{e.object[e.start]:02x}); it was not "
+                                             "sent, the conversation is kept; set your terminal or file to UTF-8"))
+                continue
             except EOFError:  # Ctrl-D
                 self.say()
                 return 0
@@ -176,6 +194,7 @@ class Repl:
     def handle(self, line: str) -> str | None:
         if not line:
             return None
+        check_utf8(line)
         if line.startswith("/") and not line.startswith("//"):
             return self.command(*(line[1:].split(maxsplit=1) + [""])[:2])
         self.turn(line[1:] if line.startswith("//") else line)

@@ -3,6 +3,8 @@
 Sandboxed (ImmutableSandboxedEnvironment: a template can read what it is given, never change it
 or reach Python internals), trim_blocks/lstrip_blocks, loopcontrols, `tojson`, `raise_exception`
 and `strftime_now`, with the tokenizer's special tokens (bos_token, eos_token, ...) as variables.
+A template is untrusted code: its compile and every render run within TemplateLimits
+(template_sandbox.py); one past a bound is refused in one line naming the bound.
 """
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ from hybrid_npu.chat_files import chat_template, read_json
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
 
+from .template_sandbox import BoundedEnvironment, StopRequested, TemplateLimit, TemplateLimits
+
+MAX_SOURCE_CHARS = 1_000_000  # Qwen3.5's template is 7 KB; the parser recurses on nesting
+MAX_JSON_INDENT = 32
+MAX_STRFTIME_CHARS = 256
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -24,7 +31,20 @@ def _template_error(message: str):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    if isinstance(indent, str) and len(indent) > MAX_JSON_INDENT or isinstance(indent, int) and indent > MAX_JSON_INDENT:
+        raise TemplateLimit(f"tojson indent over the bound of {MAX_JSON_INDENT}")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    if not isinstance(fmt, str) or len(fmt) > MAX_STRFTIME_CHARS:  # '%c' expands 12-fold
+        raise TemplateLimit(f"a strftime_now format over {MAX_STRFTIME_CHARS} characters")
+    return datetime.now().strftime(fmt)
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _token_text(value):
@@ -32,22 +52,35 @@ def _token_text(value):
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = "chat template"):
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = "chat template",
+                 limits: TemplateLimits | None = None):
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.source = source
         self.special_tokens = dict(special_tokens or {})
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self._template = env.from_string(source)
-        except jinja2.TemplateError as e:
-            raise UserError(f"{origin} does not compile ({e}); re-export the model with a valid chat_template") from None
         self.origin = origin
+        self.limits = limits or TemplateLimits()
+        if len(source) > MAX_SOURCE_CHARS:
+            raise UserError(f"{origin} is {len(source):,} characters, over the bound of {MAX_SOURCE_CHARS:,}; "
+                            "re-export the model with a valid chat_template")
+        env = BoundedEnvironment(self.limits, trim_blocks=True, lstrip_blocks=True,
+                                 extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.bound_filters()
+        env.globals["raise_exception"] = _template_error
+        env.globals["strftime_now"] = _strftime_now
+        self._env = env
+        try:  # Jinja folds constant expressions while compiling: the compile runs under the bounds too
+            self._template = env.run(lambda: env.from_string(source))
+        except TemplateLimit as e:
+            raise UserError(f"{origin} went past a bound while compiling: {e}; "
+                            "use a trusted model's chat_template") from None
+        except jinja2.TemplateError as e:
+            raise UserError(f"{origin} does not compile ({_one_line(e)}); "
+                            "re-export the model with a valid chat_template") from None
+        except Exception as e:  # noqa: BLE001 - untrusted code: every failure is one line
+            raise UserError(f"{origin} does not compile ({type(e).__name__}: {_one_line(e)}); "
+                            "re-export the model with a valid chat_template") from None
 
     @property
     def has_thinking_switch(self) -> bool:
@@ -55,17 +88,39 @@ class ChatTemplate:
         return "enable_thinking" in self.source
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               enable_thinking: bool | None = None, tools: list[dict] | None = None) -> str:
+               enable_thinking: bool | None = None, tools: list[dict] | None = None,
+               should_stop=None) -> str:
         """As transformers' apply_chat_template(messages, tools=tools, ...): tools are OpenAI-style
-        function specs, passed to the template as they are."""
+        function specs, passed to the template as they are. should_stop (Ctrl-C) ends the render
+        with a UserError; the caller's conversation is untouched."""
         import jinja2
 
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        limit = self.limits.output_chars
+
+        def produce() -> str:
+            parts, n = [], 0
+            budget = self._env.budget()
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 tools=tools or None, documents=None, **self.special_tokens, **extra):
+                n += len(piece)
+                if n > limit:
+                    raise TemplateLimit(f"output over the bound of {limit:,} characters")
+                budget.tick()
+                parts.append(piece)
+            return "".join(parts)
+
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools or None, documents=None, **self.special_tokens, **extra)
+            return self._env.run(produce, should_stop)
+        except StopRequested:
+            raise UserError("stopped while rendering the chat template (Ctrl-C); the conversation is kept") from None
+        except TemplateLimit as e:
+            raise UserError(f"{self.origin} went past a bound: {e}; use a trusted model's chat_template") from None
         except jinja2.TemplateError as e:
-            raise UserError(f"{self.origin} refused the conversation: {e}") from None
+            raise UserError(f"{self.origin} refused the conversation: {_one_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 - untrusted code: every failure is one line
+            raise UserError(f"{self.origin} failed on this conversation ({type(e).__name__}: {_one_line(e)}); "
+                            "use a trusted model's chat_template") from None
 
     @classmethod
     def from_export(cls, path) -> "ChatTemplate":

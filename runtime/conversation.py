@@ -81,23 +81,25 @@ def require_tokenizer(engine) -> None:
 
 
 def encode_turns(engine, template: ChatTemplate, messages: list[dict], enable_thinking: bool | None = None,
-                 tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+                 tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                 should_stop: Callable[[], bool] | None = None) -> list[int]:
     """The messages rendered by the template (ending in the assistant's cue), as token ids."""
     text = template.render(messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
-                           tools=tools)
+                           tools=tools, should_stop=should_stop)
     return engine.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 
 def checkpoint_marks(engine, template: ChatTemplate, messages: list[dict], full: list[int],
-                     enable_thinking: bool | None = None, tools: list[dict] | None = None) -> tuple[int, int]:
+                     enable_thinking: bool | None = None, tools: list[dict] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> tuple[int, int]:
     """Where a turn keeps its two checkpoints: where the next turn's render will part from `full`
     (the template re-renders this turn's reply as history, and Qwen3.5's drops its <think> block:
     render a stand-in reply and next message and see where the tokens first differ), and before
     the prompt's last token."""
     probe = messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
     departs = common_prefix(full, encode_turns(engine, template, probe, enable_thinking, tools,
-                                               add_generation_prompt=False))
+                                               add_generation_prompt=False, should_stop=should_stop))
     return departs, len(full) - 1
 
 
@@ -164,9 +166,10 @@ class Conversation:
         self.engine.reset()
         self.engine.last_stats = {}  # /stats must not show the forgotten reply's numbers
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, messages: list[dict], should_stop: Callable[[], bool] | None = None) -> list[int]:
         """The conversation rendered by the template (ending in the assistant's cue), as token ids."""
-        return encode_turns(self.engine, self.template, messages, self.enable_thinking, self.tools)
+        return encode_turns(self.engine, self.template, messages, self.enable_thinking, self.tools,
+                            should_stop=should_stop)
 
     def render(self, messages: list[dict] | None = None) -> str:
         """The exact prompt the model is given for `messages` (default: the conversation so far)."""
@@ -177,11 +180,14 @@ class Conversation:
     def reply(self, text: str, sampling: Sampling, on_text: Callable[[str], None] | None = None,
               should_stop: Callable[[], bool] | None = None, role: str = "user") -> Reply:
         """Add the user's message (role "tool": a tool's result), generate the assistant's reply
-        (streamed to on_text), keep both. A reply cut short by should_stop is kept as it is."""
+        (streamed to on_text), keep both. A reply cut short by should_stop is kept as it is;
+        should_stop while the template renders (before any token) refuses the turn with a UserError
+        and leaves the conversation and the engine as they were."""
         messages = self.messages + [{"role": role, "content": text}]
-        full = self.prompt_ids(messages)
+        full = self.prompt_ids(messages, should_stop)
+        marks = checkpoint_marks(self.engine, self.template, messages, full, self.enable_thinking, self.tools,
+                                 should_stop)
         kept = self.engine.resume(full)  # keeps, or goes back to a checkpoint, or starts over
-        marks = checkpoint_marks(self.engine, self.template, messages, full, self.enable_thinking, self.tools)
         ids = generate_streamed(self.engine, full[kept:], sampling.max_new_tokens, on_text,
                                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                 seed=sampling.seed, stop_at_eos=sampling.stop_at_eos, append=True,

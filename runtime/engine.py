@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from hybrid_npu.chat_files import sampling_defaults
+from hybrid_npu.cli_common import check_threads
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, VERIFY_ANY_COUNT, manifest_hash
 from hybrid_npu import integrity
@@ -95,6 +96,7 @@ class Engine:
                             f"create one with: export-hybrid CHECKPOINT {self.path}")
         if prefill not in PREFILL_MODES:
             raise UserError(f"prefill={prefill!r} is not one of {', '.join(PREFILL_MODES)}")
+        check_threads(threads, "threads=")
         self.manifest, self.config = read_manifest(self.path)  # one line for a damaged or lying manifest
         self.chunk = int(self.manifest["chunk"])
         self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser, byte_size
+from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads
 from hybrid_npu.errors import UserError
 
 from .drafters import KINDS as DRAFTER_KINDS
@@ -29,8 +29,7 @@ def check_engine_arguments(a) -> None:
 
     check_sampling(a.max_new_tokens, a.temperature, getattr(a, "top_k", 0), getattr(a, "top_p", 1.0), a.seed,
                    flags=True)
-    if a.threads is not None and a.threads < 1:
-        raise UserError(f"--threads {a.threads}: give at least 1")
+    check_threads(a.threads)
 
 
 def open_model(model: str | None, a, checkpoints: int | None = None):

@@ -8,6 +8,10 @@ import numpy as np
 
 from hybrid_npu.errors import UserError
 
+# A temperature that small divides logits into overflow (5e-324 gives inf, then NaN probabilities);
+# below it sampling is greedy in all but name, so 0 says it.
+MIN_TEMPERATURE = 1e-3
+
 
 def check_sampling(max_new_tokens, temperature, top_k=0, top_p=1.0, seed=None, flags: bool = False) -> None:
     """The one set of rules for generation settings, for the API (engine.generate) and the CLIs
@@ -24,8 +28,10 @@ def check_sampling(max_new_tokens, temperature, top_k=0, top_p=1.0, seed=None, f
 
     if not integer(max_new_tokens) or max_new_tokens < 1:
         raise UserError(f"{name('max_new_tokens')}{max_new_tokens!r}: give a whole number of at least 1")
-    if temperature is not None and (not number(temperature) or not math.isfinite(temperature) or temperature < 0):
-        raise UserError(f"{name('temperature')}{temperature!r}: give a finite number, 0 (greedy) or more")
+    if temperature is not None and (not number(temperature) or not math.isfinite(temperature) or temperature < 0
+                                    or 0 < temperature < MIN_TEMPERATURE):
+        raise UserError(f"{name('temperature')}{temperature!r}: give 0 (greedy) or a finite number of at least "
+                        f"{MIN_TEMPERATURE:g}")
     if top_k is not None and (not integer(top_k) or top_k < 0):
         raise UserError(f"{name('top_k')}{top_k!r}: give 0 (off) or a whole number above 0")
     if top_p is not None and (not number(top_p) or not math.isfinite(top_p) or not 0 < top_p <= 1):

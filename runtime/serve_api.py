@@ -10,16 +10,20 @@ Ignored as llama-server and vLLM ignore them: model (one model is served), user,
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
 import time
 from dataclasses import dataclass, field
 
+from .sampling import MIN_TEMPERATURE
 from .tool_calls import check_tools, parse_tool_calls
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000  # a stop string is text to watch for, not a document; the held-tail check is O(this)
+MAX_NESTING = 64       # JSON depth of a request: tool schemas nest a few levels, nothing needs 100k
 DEFAULT_MAX_TOKENS = 4096  # when the request names none: the context's room, at most this
 
 
@@ -53,6 +57,48 @@ class ChatRequest:
     tools: list[dict] | None
     enable_thinking: bool | None
     extra: dict = field(default_factory=dict)
+
+
+def load_json(raw: bytes):
+    """The request body as JSON: valid UTF-8 text (no lone surrogates) nested at most MAX_NESTING deep."""
+    try:
+        body = json.loads(raw or b"null")
+    except RecursionError:
+        raise BadRequest(f"the request body nests deeper than {MAX_NESTING} levels") from None
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    check_json_value(body, "the request body")
+    return body
+
+
+def check_json_value(value, where: str) -> None:
+    """Walked without recursion: depth at most MAX_NESTING, every string encodable as UTF-8 (a lone
+    surrogate such as "\\ud800" is valid JSON but no text a tokenizer can take)."""
+    stack = [(value, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise BadRequest(f"{where} nests deeper than {MAX_NESTING} levels")
+        if isinstance(x, str):
+            _check_text(x, where)
+        elif isinstance(x, dict):
+            stack.extend((k, depth + 1) for k in x)
+            stack.extend((v, depth + 1) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, depth + 1) for v in x)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{where} holds a lone surrogate (\\u{ord(text[e.start]):04x} at character {e.start}); "
+                         "send text as valid UTF-8, surrogates only in pairs") from None
+
+
+def _short(value, limit: int = 40) -> str:
+    text = json.dumps(value, ensure_ascii=False)[: limit + 1] if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -96,7 +142,13 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
-            except ValueError:
+                check_json_value(args, f"{where}: tool call arguments")
+            except RecursionError:
+                raise BadRequest(f"{where}: tool call arguments nest deeper than {MAX_NESTING} levels",
+                                 "messages") from None
+            except ValueError as e:
+                if isinstance(e, BadRequest):
+                    raise
                 raise BadRequest(f"{where}: tool call {fn['name']}: arguments are not valid JSON", "messages") from None
         if not isinstance(args, dict):
             raise BadRequest(f"{where}: tool call {fn['name']}: arguments must be a JSON object", "messages")
@@ -112,9 +164,10 @@ def _messages(raw) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object with role and content", "messages")
-        role = ROLES.get(m.get("role"))
+        raw_role = m.get("role")
+        role = ROLES.get(raw_role) if isinstance(raw_role, str) else None
         if role is None:
-            raise BadRequest(f"{where}: unknown role {m.get('role')!r}; use one of {', '.join(ROLES)}", "messages")
+            raise BadRequest(f"{where}: unknown role {_short(raw_role)}; use one of {', '.join(ROLES)}", "messages")
         calls = m.get("tool_calls") if role == "assistant" else None
         message = {"role": role, "content": _text(m.get("content"), where, allow_none=calls is not None) or ""}
         if calls:
@@ -134,8 +187,10 @@ def parse_request(body) -> ChatRequest:
     max_b = _number(body, "max_tokens", 1, 1 << 31, integer=True)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings of at most "
+                         f"{MAX_STOP_CHARS} characters", "stop")
     tools = body.get("tools")
     if tools is not None:
         try:
@@ -152,9 +207,13 @@ def parse_request(body) -> ChatRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
+    temperature = _number(body, "temperature", 0, 2)
+    if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+        raise BadRequest(f"'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE}, 2], got {temperature}",
+                         "temperature")
     return ChatRequest(
         messages=_messages(body.get("messages")), max_tokens=max_a if max_a is not None else max_b,
-        temperature=_number(body, "temperature", 0, 2), top_p=_number(body, "top_p", 0, 1, lo_open=True),
+        temperature=temperature, top_p=_number(body, "top_p", 0, 1, lo_open=True),
         top_k=_number(body, "top_k", 0, 1 << 20, integer=True), seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
         stop=stop, stream=stream, include_usage=bool(options.get("include_usage")), tools=tools,
         enable_thinking=thinking)
@@ -165,8 +224,36 @@ TOOL_TAG, THINK_END = "<tool_call>", "</think>"
 
 
 def _held_tail(text: str, tags) -> int:
-    """How many trailing characters might be the start of one of `tags` (not emitted yet)."""
-    return max((k for tag in tags for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+    """How many trailing characters might be the start of one of `tags` (not emitted yet): the
+    longest suffix of `text` that is a proper prefix of a tag. Linear in the tag's length per call
+    (a KMP automaton over the last len(tag) - 1 characters), where trying every prefix was quadratic."""
+    return max((_prefix_suffix(text[-(len(tag) - 1):], tag) for tag in tags if len(tag) > 1), default=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _failure(tag: str) -> tuple[int, ...]:
+    """KMP's table: fail[i] = the longest proper prefix of tag[:i + 1] that is also its suffix."""
+    fail, k = [0] * len(tag), 0
+    for i in range(1, len(tag)):
+        while k and tag[i] != tag[k]:
+            k = fail[k - 1]
+        if tag[i] == tag[k]:
+            k += 1
+        fail[i] = k
+    return tuple(fail)
+
+
+def _prefix_suffix(tail: str, tag: str) -> int:
+    start = tail.find(tag[0])  # no character of tail starts the tag: nothing to hold (the usual case)
+    if start < 0:
+        return 0
+    fail, k = _failure(tag), 0
+    for c in tail[start:]:
+        while k and (k == len(tag) or c != tag[k]):
+            k = fail[k - 1]
+        if c == tag[k]:
+            k += 1
+    return k if k < len(tag) else fail[k - 1]
 
 
 def visible(text: str, stop: list[str], thinking: bool, tools: bool, final: bool) -> tuple[str, str, bool]:

@@ -1,6 +1,7 @@
 """npu-serve: an OpenAI-compatible local server (chat completions) over one exported model.
 
     npu-serve [MODEL] [--profile P] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
+              [--cors-origin ORIGIN] [--allowed-host NAME] [--max-request-bytes SIZE] [--max-queue N]
 
 Point a client at http://127.0.0.1:8080/v1 with the model name GET /v1/models gives. Needs the
 [serve] extra (FastAPI, uvicorn, sse-starlette).
@@ -11,7 +12,7 @@ import ipaddress
 import socket
 import sys
 
-from hybrid_npu.cli_common import OneLineParser, byte_size, report
+from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads, human_bytes, report
 from hybrid_npu.errors import UserError
 
 from .drafters import KINDS as DRAFTER_KINDS
@@ -33,6 +34,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
     p.add_argument("--cors-origin", help="allow browser requests from this one origin (default: none)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a host name clients may use for this server besides its address (repeatable; "
+                        "default: IP addresses and localhost only, so a DNS-rebinding web page is refused)")
+    p.add_argument("--max-request-bytes", type=byte_size, metavar="SIZE",
+                   help="largest request body, e.g. 4M (default: 64 bytes per token of context, at least 1M)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests in progress at once (being prepared, waiting for the model or running); more "
+                        "get a 503 with Retry-After (default: 16)")
     p.add_argument("--conversations", type=int, default=4,
                    help="conversations whose state is kept for reuse across requests (default: 4)")
     p.add_argument("--model-name", help="the model id clients use (default: the export directory's name)")
@@ -51,10 +60,11 @@ def _loopback(host: str) -> bool:
 def check_args(a) -> None:
     if not 0 < a.port < 65536:
         raise UserError(f"--port {a.port}: give a port from 1 to 65535")
+    if not 1 <= a.max_queue <= 10000:
+        raise UserError(f"--max-queue {a.max_queue}: give 1 to 10000")
     if a.conversations < 1:
         raise UserError(f"--conversations {a.conversations}: give at least 1")
-    if a.threads is not None and a.threads < 1:
-        raise UserError(f"--threads {a.threads}: give at least 1")
+    check_threads(a.threads)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -77,7 +87,7 @@ def main(argv=None) -> int:
         try:
             import uvicorn
 
-            from .server import ChatService, create_app
+            from .server import ChatService, create_app, default_max_request_bytes
         except ImportError as e:
             raise UserError(f"npu-serve needs the serve extra ({e.name} is missing): "
                             "pip install 'hybrid-npu[serve]'") from None
@@ -89,11 +99,13 @@ def main(argv=None) -> int:
         _check_port(a.host, a.port)
         engine = open_model(a.model, a)
         service = ChatService(engine, a.model_name or engine.path.name, a.conversations,
-                              False if a.no_speculative else None)
-        app = create_app(service, a.api_key, a.cors_origin)
+                              False if a.no_speculative else None, max_queue=a.max_queue)
+        limit = a.max_request_bytes or default_max_request_bytes(engine.memory.max_context)
+        app = create_app(service, a.api_key, a.cors_origin, a.host, a.allowed_host, limit)
         drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
         print(f"npu-serve: {engine.path} as {service.model_id!r} on http://{a.host}:{a.port}/v1 (profile "
-              f"{engine.profile.name}, speculative {drafter}, context {engine.memory.max_context} tokens); "
+              f"{engine.profile.name}, speculative {drafter}, context {engine.memory.max_context} tokens, requests up "
+              f"to {human_bytes(limit)}, {a.max_queue} at once); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)
         return 0

@@ -6,6 +6,13 @@ messages with the model's own template (the same code path as npu-chat), goes to
 conversation keeps the most of that prompt (serve_contexts.py), prefills only the rest and keeps
 two turn checkpoints, as a chat turn does. A client that goes away mid-stream stops its generation
 at the last committed token; the context it leaves is consistent and can be resumed from.
+
+Hostile requests (docs/reliability-server.md): serve_guard.py checks Host, Origin, the key,
+Content-Type and Content-Length first; the body is counted as it arrives and refused past
+--max-request-bytes; parsing, rendering and tokenizing run in a thread, never on the event loop
+(/health answers meanwhile); at most --max-queue requests are prepared, wait for the worker or
+run on it, the next gets a 503 with Retry-After; a client that disconnects stops its generation,
+streamed or not.
 """
 
 import asyncio
@@ -22,6 +29,16 @@ from . import serve_api as api
 from .chat_template import ChatTemplate
 from .conversation import StreamDecoder, checkpoint_marks
 from .serve_contexts import ServedContexts
+from .serve_guard import Guard, HostCheck, too_large_message
+
+DEFAULT_MAX_QUEUE = 16
+RETRY_AFTER_S = 5
+
+
+def default_max_request_bytes(max_context: int) -> int:
+    """A body that could fit the context: 64 bytes a token covers JSON escapes (a CJK character is
+    one token and six bytes as \\uXXXX) and the fields around the text; at least 1 MiB for tools."""
+    return max(64 * max_context, 1 << 20)
 
 
 @dataclass
@@ -45,11 +62,31 @@ def _log(line: str) -> None:
 
 class ChatService:
     def __init__(self, engine, model_id: str, conversations: int = 4, speculative: bool | None = None,
-                 log: Callable[[str], None] = _log):
+                 log: Callable[[str], None] = _log, max_queue: int = DEFAULT_MAX_QUEUE):
         self.engine, self.model_id, self.speculative, self.log = engine, model_id, speculative, log
         self.template = ChatTemplate.from_export(engine.path)
         self.contexts = ServedContexts(engine, max(conversations - 1, 0))  # the engine holds one more
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-serve")
+        self.max_queue, self.active = max_queue, 0
+        self._lock = threading.Lock()
+        self._longest_token = None
+
+    def admit(self) -> bool:
+        """Take a place among the requests being read, prepared, waiting or run; False when full."""
+        with self._lock:
+            if self.active >= self.max_queue:
+                return False
+            self.active += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def longest_token_chars(self) -> int:
+        if self._longest_token is None:
+            self._longest_token = max((len(t) for t in self.engine.tokenizer.get_vocab()), default=1)
+        return self._longest_token
 
     def prepare(self, req: api.ChatRequest) -> Prepared:
         """Render and count before any work: a prompt over the memory plan is refused here."""
@@ -58,8 +95,15 @@ class ChatService:
                                         enable_thinking=req.enable_thinking, tools=req.tools)
         except UserError as e:
             raise api.BadRequest(str(e), "messages") from None
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
         limit = self.engine.memory.max_context
+        # no token is longer than the vocabulary's longest (x4: normalisation may shrink text), so a
+        # prompt this long cannot fit: refused before the tokenizer spends time and memory on it
+        at_least = len(text) // (4 * self.longest_token_chars())
+        if at_least + (req.max_tokens or 1) > limit:
+            raise api.BadRequest(f"this request needs at least {at_least} prompt tokens + {req.max_tokens or 1} to "
+                                 f"generate, but the memory plan allows {limit} tokens of context; shorten the "
+                                 "conversation or lower max_tokens", "messages", "context_length_exceeded")
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
         max_tokens = req.max_tokens or max(min(limit - len(ids), api.DEFAULT_MAX_TOKENS), 1)
         if len(ids) + max_tokens > limit:
             raise api.BadRequest(f"this request needs {len(ids)} prompt tokens + {max_tokens} to generate = "
@@ -110,28 +154,25 @@ class ChatService:
         return Result(message, finish, api.usage(len(p.ids), len(new), kept))
 
 
-def create_app(service: ChatService, api_key: str | None = None, cors_origin: str | None = None):
+def create_app(service: ChatService, api_key: str | None = None, cors_origin: str | None = None,
+               host: str = "127.0.0.1", allowed_hosts=(), max_request_bytes: int | None = None):
+    import anyio
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from sse_starlette.sse import EventSourceResponse
 
+    limit = max_request_bytes or default_max_request_bytes(service.engine.memory.max_context)
     app = FastAPI(title="npu-serve", docs_url=None, redoc_url=None, openapi_url=None)
     if cors_origin:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=[cors_origin], allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guard, hosts=HostCheck(host, allowed_hosts), api_key=api_key, cors_origin=cors_origin,
+                       max_request_bytes=limit)  # added last: outermost, before CORS and the routes
 
-    def refuse(e: api.BadRequest) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and \
-                request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return refuse(api.BadRequest("missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                         status=401, kind="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+    def refuse(e: api.BadRequest, headers=None) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
@@ -152,26 +193,71 @@ def create_app(service: ChatService, api_key: str | None = None, cors_origin: st
         return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
                                             "owned_by": "hybrid-npu"}]}
 
+    async def body_of(request: Request) -> bytes | None:
+        """The body, counted as it arrives: None once it passes the bound (nothing more is read)."""
+        parts, n = [], 0
+        async for piece in request.stream():
+            n += len(piece)
+            if n > limit:
+                return None
+            parts.append(piece)
+        return b"".join(parts)
+
+    def prepare(raw: bytes) -> Prepared:  # in a thread: JSON, template and tokenizer never block the loop
+        return service.prepare(api.parse_request(api.load_json(raw)))
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        raw = await body_of(request)  # before admit: a slow sender holds a connection, not a place
+        if raw is None:
+            return refuse(api.BadRequest(too_large_message(limit), status=413, code="request_too_large"))
+        if not service.admit():
+            return refuse(api.BadRequest(f"the server is busy ({service.max_queue} requests in progress, the bound "
+                                         "--max-queue sets); retry later", status=503, kind="server_error",
+                                         code="server_busy"), headers={"Retry-After": str(RETRY_AFTER_S)})
+        handed = False
         try:
-            body = json.loads(await request.body() or b"null")
-        except ValueError:
-            return refuse(api.BadRequest("the request body is not valid JSON"))
-        try:
-            prepared = service.prepare(api.parse_request(body))
-        except api.BadRequest as e:
-            return refuse(e)
-        loop, cid = asyncio.get_running_loop(), api.completion_id()
-        if not prepared.request.stream:
             try:
-                result = await loop.run_in_executor(service.executor, service.run, prepared, None, lambda: False)
-            except UserError as e:
-                return refuse(api.BadRequest(str(e)))
-            return api.completion(cid, service.model_id, result.message, result.finish, result.usage)
-        return EventSourceResponse(_stream(service, prepared, cid, loop), ping=15, sep="\n")
+                prepared = await anyio.to_thread.run_sync(prepare, raw)
+            except api.BadRequest as e:
+                return refuse(e)
+            loop, cid = asyncio.get_running_loop(), api.completion_id()
+            handed = True  # from here the worker's job gives the place back
+            if prepared.request.stream:
+                return EventSourceResponse(_stream(service, prepared, cid, loop), ping=15, sep="\n")
+            return await _complete(service, prepared, cid, loop, request, refuse)
+        finally:
+            if not handed:
+                service.release()
 
     return app
+
+
+async def _complete(service: ChatService, prepared: Prepared, cid: str, loop, request, refuse):
+    """A reply in one body. The worker runs it; meanwhile the connection is watched, and a client
+    that has gone stops the generation at its next step, as a stream's does."""
+    gone = threading.Event()
+
+    def job() -> Result | None:
+        try:
+            return None if gone.is_set() else service.run(prepared, None, gone.is_set)
+        finally:
+            service.release()
+
+    future = loop.run_in_executor(service.executor, job)
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=0.25)
+        if done:
+            break
+        if await request.is_disconnected():
+            gone.set()
+    try:
+        result = future.result()
+    except UserError as e:
+        return refuse(api.BadRequest(str(e)))
+    if result is None:  # left while waiting: nobody to answer
+        return refuse(api.BadRequest("the client went away", status=499))
+    return api.completion(cid, service.model_id, result.message, result.finish, result.usage)
 
 
 async def _stream(service: ChatService, prepared: Prepared, cid: str, loop):
@@ -195,6 +281,7 @@ async def _stream(service: ChatService, prepared: Prepared, cid: str, loop):
             service.log(f"internal error: {type(e).__name__}: {e}")
             put(("error", f"internal error ({type(e).__name__}); see the server log"))
         finally:
+            service.release()
             put(("end", None))
 
     model = service.model_id

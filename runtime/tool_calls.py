@@ -69,7 +69,7 @@ def _value(text: str, as_string: bool):
         return text
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # model output nested past Python's recursion limit stays text
         return text
 
 

@@ -21,6 +21,22 @@ def report(prog: str, error) -> int:
     return getattr(error, "exit_code", 2)
 
 
+def max_threads() -> int:
+    """The most --threads any CLI takes: 4x this machine's logical CPUs (more only adds contention;
+    each thread holds a stack and ORT's per-thread buffers, so 100000 took gigabytes)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_threads(threads, name: str = "--threads ") -> None:
+    """Threads as every CLI (name "--threads ") and the engine ("threads=") check them: None (the
+    profile's), or a whole number from 1 to max_threads()."""
+    from hybrid_npu.errors import UserError
+
+    ok = isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= max_threads()
+    if threads is not None and not ok:
+        raise UserError(f"{name}{threads!r}: give 1 to {max_threads()} (4x the {os.cpu_count() or 1} CPUs here)")
+
+
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 

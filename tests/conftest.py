@@ -38,6 +38,7 @@ def _build(tmp_path_factory, name, writer, **kw):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a full export or another case of a minute or more (-m 'not slow' skips)")
     config.addinivalue_line("markers", "verify_in_background: rounds wait for nothing; a fresh engine "
                             "decodes plainly while its verify session is still opening (the product's behaviour)")
 

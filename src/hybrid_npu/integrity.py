@@ -29,12 +29,13 @@ from typing import Iterable
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
-from hybrid_npu.safe_files import inside, open_regular
+from hybrid_npu.safe_files import inside, open_regular, read_json
 
 ALGORITHM = "sha256"
 _BLOCK = 1 << 20
 _FIX = "copy the export again or re-export it"
 _CACHE_ENTRIES = 512
+_CACHE_BYTES = 1 << 20  # 512 keys of ~120 characters
 SKIP = {MANIFEST, ".hybrid-npu-partial"}  # the manifest holds the record; the partial marker is removed
 CONTEXT_DIR = "ctx"  # export/context_binaries.py writes QNN context binaries under ctx/PROFILE/
 
@@ -156,9 +157,9 @@ def _key(path: Path, digest: str) -> str:
 
 def _read_cache() -> list[str]:
     try:
-        keys = json.loads(cache_file().read_text())
+        keys = read_json(cache_file(), _CACHE_BYTES, "the verified-file cache", "")
         return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-    except (OSError, ValueError):
+    except (OSError, UserError):  # absent, damaged or not a file: hash again
         return []
 
 

@@ -153,3 +153,43 @@ def depth(value, stop: int) -> int:
             todo.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v)
                         if isinstance(c, (dict, list)))
     return deepest
+
+
+def safetensors_header(path, max_header: int, where: str, fix: str) -> tuple[dict, int, int]:
+    """(header, data start, file size) of a safetensors file, reading the header only: names,
+    dtypes, shapes and offsets can be checked before a byte of tensor data is read. Refuses a
+    header that is not a JSON object of {dtype, shape, data_offsets} entries inside the file.
+    where: the start of every refusal ("cannot load state FILE")."""
+    path = Path(path)
+
+    def bad(detail: str) -> UserError:
+        return UserError(f"{where}: not a readable safetensors file ({detail}); {fix}")
+
+    with open_regular(path, "a safetensors file", fix) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= min(max_header, size - 8):
+            raise bad(f"header length {n} in a file of {size} bytes: truncated or damaged")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except RecursionError:
+        raise bad("its header nests too deeply") from None
+    except (ValueError, UnicodeDecodeError):
+        raise bad("its header is not JSON: truncated or damaged") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise bad("damaged metadata")
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and isinstance(info.get("shape"), list) and all(type(d) is int and d >= 0 for d in info["shape"])
+                and isinstance(info.get("dtype"), str) and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {str(name)[:60]} has a damaged header entry")
+        if offsets[1] > size - 8 - n:
+            raise bad(f"tensor {str(name)[:60]} runs past the end of the file: truncated")
+    return header, 8 + n, size

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_DIR, FORMAT, MANIFEST
+from hybrid_npu.format import DRAFTER_DIR, FORMAT, MANIFEST, NPU_GRAPHS
 from hybrid_npu.safe_files import CONFIG_BYTES, inside, read_json
 
 from .state import KV_BLOCK, State
@@ -60,6 +60,8 @@ def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
         raise UserError(f"{mf}: its drafter entries are damaged; {_reexport(path)}")
     for kind, d in [*drafters.items(), *((("default", default.get("dir", DRAFTER_DIR)),) if default else ())]:
         inside(path, d, f"{kind} drafter directory", fix)
+    for rel in _npu_files(manifest.get("npu"), mf, path):
+        inside(path, rel, "NPU graph or context file", fix)
     fixed = cfg.state_bytes() + cfg.kv_bytes_per_token() * KV_BLOCK  # what State.fresh allocates
     if fixed > MAX_STATE_BYTES:
         raise UserError(f"{mf}: its config asks for {fixed} bytes of state; {fix}")
@@ -73,6 +75,25 @@ def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
         if got != want:
             raise UserError(f"{mf}: graph {name} takes {got} tokens, it must take {want}; {fix}")
     return manifest, cfg
+
+
+def _npu_files(npu, mf: Path, path: Path) -> list:
+    """Every file model.json's "npu" entry names (each profile's parts and context binaries)."""
+    if npu is None:
+        return []
+    damaged = UserError(f"{mf}: its npu entry is damaged; {_reexport(path)}")
+    if not isinstance(npu, dict):
+        raise damaged
+    files = []
+    for entry in npu.values():
+        if not isinstance(entry, dict):
+            raise damaged
+        for parts_key, context_key in NPU_GRAPHS.values():
+            parts, ctx = entry.get(parts_key) or [], entry.get(context_key) or {}
+            if not isinstance(parts, list) or not all(isinstance(q, dict) for q in parts) or not isinstance(ctx, dict):
+                raise damaged
+            files += [q.get("file") for q in parts] + list(ctx.get("files") or [])
+    return files
 
 
 def _check_config(cfg: ModelConfig) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.safe_files import safetensors_header
+from hybrid_npu.safe_files import open_regular, safetensors_header
 
 from .atomic_io import write_atomically
 from .checkpoints import Checkpoint
@@ -133,13 +133,14 @@ def _expected_shapes(cfg: ModelConfig, position: int, n_checkpoints: int) -> dic
 
 
 HEADER_BYTES = 64 << 20  # the header holds the chat's messages too: a long conversation's text
-_DTYPES = {"F32": np.float32, "I64": np.int64}
+_DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
 
 
-def _check_header(path: Path, cfg: ModelConfig, model_hash: str, max_position: int | None) -> dict[str, str]:
-    """Read the header only and check every tensor's name, dtype and shape against this model
-    and the memory plan, so no tensor is read (or allocated) that the model could not take."""
-    header, _, _ = safetensors_header(path, HEADER_BYTES, f"cannot load state {path}", "save the state again")
+def _check_header(path: Path, header: dict, cfg: ModelConfig, model_hash: str,
+                  max_position: int | None) -> dict[str, str]:
+    """Every tensor's name, dtype and shape against this model and the memory plan, from the
+    header alone, so no tensor is read (or allocated) that the model could not take. Returns the
+    metadata; `header` keeps the tensors' entries."""
     metadata = header.pop("__metadata__", None) or {}
     _check_identity(path, metadata, model_hash)
     try:
@@ -166,10 +167,10 @@ def _check_header(path: Path, cfg: ModelConfig, model_hash: str, max_position: i
         want_dtype = "I64" if name == "tokens" else "F32"
         if tuple(info["shape"]) != expected[name] or info["dtype"] != want_dtype:
             raise UserError(f"cannot load state {path}: tensor {name} is {str(info['dtype'])[:8]} "
-                            f"{info['shape'][:6]}, this model expects {np.dtype(_DTYPES[want_dtype]).name} "
+                            f"{info['shape'][:6]}, this model expects {_DTYPES[want_dtype].name} "
                             f"{list(expected[name])}; load it with the model it was saved from")
         span = info["data_offsets"][1] - info["data_offsets"][0]
-        if span != int(np.prod(expected[name], dtype=np.int64)) * 8 // (2 if want_dtype == "F32" else 1):
+        if span != int(np.prod(expected[name], dtype=np.int64)) * _DTYPES[want_dtype].itemsize:
             raise UserError(f"cannot load state {path}: tensor {name}'s data is {span} bytes, not its shape's; "
                             "save the state again")
     return metadata
@@ -187,17 +188,24 @@ def _check_identity(path: Path, metadata: dict, model_hash: str) -> None:
                         f"this one is {model_hash[:12]}…); load it with the model it was saved from")
 
 
-def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    from safetensors import SafetensorError, safe_open
-
-    damaged = f"cannot load state {path}: not a readable safetensors file (truncated or damaged)"
+def _read(path: Path, cfg: ModelConfig, model_hash: str,
+          max_position: int | None) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """One open of one file (what a concurrent save replaces is all seen or not at all): the header
+    is checked first (_check_header), then each tensor is read into an array of the checked size."""
+    fix = "save the state again"
     try:
-        with safe_open(str(path), framework="np") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, ValueError, TypeError, json.JSONDecodeError) as e:
-        raise UserError(f"{damaged}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
-                        f"save the state again") from None
+        with open_regular(path, "the state", fix) as f:
+            size = os.fstat(f.fileno()).st_size
+            header, start = safetensors_header(f, size, HEADER_BYTES, f"cannot load state {path}", fix)
+            metadata = _check_header(path, header, cfg, model_hash, max_position)
+            tensors = {}
+            for name, info in header.items():
+                arr = np.empty(info["shape"], _DTYPES[info["dtype"]])
+                f.seek(start + info["data_offsets"][0])
+                if arr.nbytes and f.readinto(memoryview(arr.reshape(-1)).cast("B")) != arr.nbytes:
+                    raise UserError(f"cannot load state {path}: not a readable safetensors file (truncated "
+                                    f"or damaged); {fix}")
+                tensors[name] = arr
     except OSError as e:
         raise UserError(f"cannot load state {path}: {e.strerror or e}; check the file is readable") from None
     return metadata, tensors
@@ -233,10 +241,7 @@ def read_snapshot(path, cfg: ModelConfig, model_hash: str, capacity: int,
             raise UserError(f"cannot load state {path}: no such file; give the path save_state wrote")
     except OSError as e:  # e.g. a name too long for the filesystem
         raise UserError(f"cannot load state {str(path)[:60]}…: {e.strerror or e}; give the path save_state wrote") from None
-    header_meta = _check_header(path, cfg, model_hash, max_position)
-    metadata, tensors = _read(path)
-    if metadata != header_meta:  # replaced between the two reads
-        raise UserError(f"cannot load state {path}: it changed while it was read; load it again")
+    metadata, tensors = _read(path, cfg, model_hash, max_position)
     extra = {k: v for k, v in metadata.items() if k not in RESERVED_KEYS}
     if metadata.get("checksum") != checksum(tensors, hashed_metadata(metadata)):
         raise UserError(f"cannot load state {path}: altered or damaged: checksum mismatch; "

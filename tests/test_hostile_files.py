@@ -146,6 +146,10 @@ def _decode_n_huge(out):
     edit_manifest(out, lambda m: m["graphs"]["decode"].update(n=3000))
 
 
+def _npu_context_elsewhere(out):
+    edit_manifest(out, lambda m: m.update(npu={"snapdragon-x-elite": {"context": {"files": ["../../ctx.onnx"]}}}))
+
+
 def _draft_vocab_elsewhere(out):
     def edit(m):
         m["drafter"]["dir"] = "drafter"
@@ -173,6 +177,7 @@ EXPORT_FOLDERS = {
     "chunk 2^24": (_chunk_huge, "model.json"),
     "decode n 3000": (_decode_n_huge, "decode"),
     "draft vocabulary /etc/passwd": (_draft_vocab_elsewhere, "drafter"),
+    "NPU context binary ../../ctx.onnx": (_npu_context_elsewhere, "points outside"),
 }
 
 

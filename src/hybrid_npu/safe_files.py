@@ -155,23 +155,21 @@ def depth(value, stop: int) -> int:
     return deepest
 
 
-def safetensors_header(path, max_header: int, where: str, fix: str) -> tuple[dict, int, int]:
-    """(header, data start, file size) of a safetensors file, reading the header only: names,
-    dtypes, shapes and offsets can be checked before a byte of tensor data is read. Refuses a
-    header that is not a JSON object of {dtype, shape, data_offsets} entries inside the file.
-    where: the start of every refusal ("cannot load state FILE")."""
-    path = Path(path)
+def safetensors_header(f, size: int, max_header: int, where: str, fix: str) -> tuple[dict, int]:
+    """(header, data start) of the safetensors file open as `f` (of `size` bytes), reading the
+    header only: names, dtypes, shapes and offsets can be checked before a byte of tensor data is
+    read. Refuses a header that is not a JSON object of {dtype, shape, data_offsets} entries inside
+    the file. where: the start of every refusal ("cannot load state FILE")."""
 
     def bad(detail: str) -> UserError:
         return UserError(f"{where}: not a readable safetensors file ({detail}); {fix}")
 
-    with open_regular(path, "a safetensors file", fix) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 2 <= n <= min(max_header, size - 8):
-            raise bad(f"header length {n} in a file of {size} bytes: truncated or damaged")
-        raw = f.read(n)
+    f.seek(0)
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 2 <= n <= min(max_header, size - 8):
+        raise bad(f"header length {n} in a file of {size} bytes: truncated or damaged")
+    raw = f.read(n)
     try:
         header = json.loads(raw)
     except RecursionError:
@@ -192,4 +190,4 @@ def safetensors_header(path, max_header: int, where: str, fix: str) -> tuple[dic
             raise bad(f"tensor {str(name)[:60]} has a damaged header entry")
         if offsets[1] > size - 8 - n:
             raise bad(f"tensor {str(name)[:60]} runs past the end of the file: truncated")
-    return header, 8 + n, size
+    return header, 8 + n

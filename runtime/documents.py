@@ -144,8 +144,9 @@ class _Runs:
 
     def flush(self) -> None:
         if self.runs:
-            block, self.runs, self.size = "".join(self.runs), [], 0
-            self.take(block)
+            text, self.runs, self.size = "".join(self.runs), [], 0
+            for i in range(0, len(text), BLOCK_BYTES):  # one run may itself be megabytes
+                self.take(text[i:i + BLOCK_BYTES])
 
 
 @contextmanager

@@ -330,6 +330,18 @@ def test_pdf_of_pages_sharing_one_stream_is_refused_as_it_is_read(tmp_path):
     assert_refused(run_bounded([*SUMMARIZE, doc, "--memory", "2G"]), "shared.pdf", "at least")
 
 
+def test_one_huge_text_run_reaches_the_counter_in_blocks(tmp_path):
+    """A single 300,000-character string on a page is counted in 64 KiB pieces, not tokenized whole."""
+    _pdf_ready()
+    from hybrid_npu.runtime.documents import BLOCK_BYTES, read_document
+
+    doc = _pdf(tmp_path / "run.pdf", [b"BT /F1 10 Tf 72 720 Td (" + b"x" * 300_000 + b") Tj ET"])
+    blocks = []
+    text = read_document(doc, take=blocks.append)
+    assert text == "x" * 300_000 and "".join(blocks) == text
+    assert max(map(len, blocks)) <= BLOCK_BYTES and len(blocks) == -(-300_000 // BLOCK_BYTES)
+
+
 def test_pypdf_warnings_never_reach_the_user(tmp_path):
     _pdf_ready()
     from hybrid_npu.runtime.documents import read_document

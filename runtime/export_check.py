@@ -13,7 +13,7 @@ from pathlib import Path
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_DIR, FORMAT, MANIFEST, NPU_GRAPHS
-from hybrid_npu.safe_files import CONFIG_BYTES, inside, read_json
+from hybrid_npu.safe_files import CONFIG_BYTES, inside, read_json, regular_size
 
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed
@@ -52,7 +52,9 @@ def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
         if not isinstance(g, dict) or not isinstance(g.get("file"), str) or type(g.get("n")) is not int \
                 or not 1 <= g["n"] <= MAX_GRAPH_TOKENS:
             raise UserError(f"{mf}: graph entry {name!r} is damaged; {_reexport(path)}")
-        inside(path, g["file"], f"graph {name}'s file", fix)
+        f = inside(path, g["file"], f"graph {name}'s file", fix)
+        if f.exists() or f.is_symlink():  # ONNX Runtime would block on a FIFO (exports without hashes)
+            regular_size(f, f"graph {name}'s file", fix)
     if "file" in manifest["weights"]:
         inside(path, manifest["weights"].get("file"), "weights file", fix)
     drafters, default = manifest.get("drafters") or {}, manifest.get("drafter")

@@ -98,6 +98,12 @@ def _integrity_fifo(out):
     edit_manifest(out, lambda m: m["integrity"]["files"].update({"graphs/pipe": {"bytes": 0, "sha256": "0" * 64}}))
 
 
+def _graph_fifo_without_hashes(out):
+    (out / "graphs" / "decode.onnx").unlink()
+    fifo(out / "graphs" / "decode.onnx")
+    edit_manifest(out, lambda m: m.pop("integrity"))  # an export from before hashes: sizes only
+
+
 def _integrity_dev_zero_link(out):
     if not Path("/dev/zero").exists():
         pytest.skip("no /dev/zero")
@@ -168,6 +174,7 @@ EXPORT_FOLDERS = {
     "graph symlinked out": (_symlink_out, "outside"),
     "integrity key a FIFO": (_integrity_fifo, "not a regular file"),
     "integrity key -> /dev/zero": (_integrity_dev_zero_link, "outside"),
+    "graph a FIFO, no hashes": (_graph_fifo_without_hashes, "not a regular file"),
     "tokenizer.json -> /dev/zero": (_tokenizer_dev_zero, "tokenizer.json"),
     "model.json -> /dev/zero": (_model_json_dev_zero, "model.json"),
     "model.json nested 100k deep": (_model_json_deep, "nests too deeply"),

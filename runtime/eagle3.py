@@ -26,7 +26,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT as FORMAT, DRAFTER_MANIFEST as MANIFEST
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.rope import rope_rows, rope_tables
-from hybrid_npu.safe_files import inside, read_bytes
+from hybrid_npu.safe_files import inside, read_bytes, regular_size
 
 from .session_options import cpu_inference_session, session_options
 from .state import grown_capacity
@@ -80,6 +80,13 @@ def read_draft_vocab(drafter_dir: Path, record: dict) -> np.ndarray:
     return ids
 
 
+def drafter_graph(drafter_dir: Path, rel) -> Path:
+    """A drafter graph file: inside its directory and a regular file (ONNX Runtime would block on a FIFO)."""
+    f = inside(Path(drafter_dir), rel, "drafter graph", FIX)
+    regular_size(f, "drafter graph", FIX)
+    return f
+
+
 def check_drafter_shapes(path: Path, session, nkv: int, hd: int) -> None:
     """drafter.json's K/V numbers against the graph's own past_key before a buffer is sized by them."""
     for i in session.get_inputs():
@@ -113,8 +120,8 @@ class Eagle3Drafter:
         # proposed a depth-6 chain in 7.7 ms on one thread against ~20 ms on two (thread hand-offs).
         weights = sum(f.stat().st_size for f in self.path.glob("*.bin"))
         opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)
-        self.fc = cpu_inference_session(inside(self.path, "drafter_fc.onnx", "graph", FIX), opts)
-        self.step = cpu_inference_session(inside(self.path, "drafter.onnx", "graph", FIX), opts)
+        self.fc = cpu_inference_session(drafter_graph(self.path, "drafter_fc.onnx"), opts)
+        self.step = cpu_inference_session(drafter_graph(self.path, "drafter.onnx"), opts)
         check_drafter_shapes(self.path, self.step, self.nkv, self.hd)
         self.reset()
 

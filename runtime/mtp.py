@@ -19,7 +19,7 @@ from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MTP_KIND as KIND
 from hybrid_npu.safe_files import inside
 
 from .eagle3 import (DRAFT_WINDOW, FIX, SINGLE_THREAD_BELOW_BYTES, Eagle3Drafter, check_drafter_shapes,
-                     read_draft_vocab)
+                     drafter_graph, read_draft_vocab)
 from .session_options import cpu_inference_session, session_options
 
 
@@ -52,7 +52,7 @@ class MtpDrafter(Eagle3Drafter):
         graphs = self.manifest["graphs"]
         weights = inside(self.path, self.manifest["weights"]["file"], "weights file", FIX).stat().st_size
         opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)  # as eagle3.py
-        self.fc = cpu_inference_session(inside(self.path, graphs["mtp_in"]["file"], "graph", FIX), opts)
-        self.step = cpu_inference_session(inside(self.path, graphs["mtp"]["file"], "graph", FIX), opts)
+        self.fc = cpu_inference_session(drafter_graph(self.path, graphs["mtp_in"]["file"]), opts)
+        self.step = cpu_inference_session(drafter_graph(self.path, graphs["mtp"]["file"]), opts)
         check_drafter_shapes(self.path, self.step, self.nkv, self.hd)
         self.reset()

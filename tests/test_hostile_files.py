@@ -104,6 +104,12 @@ def _graph_fifo_without_hashes(out):
     edit_manifest(out, lambda m: m.pop("integrity"))  # an export from before hashes: sizes only
 
 
+def _drafter_graph_fifo_without_hashes(out):
+    (out / "drafter" / "drafter.onnx").unlink()
+    fifo(out / "drafter" / "drafter.onnx")
+    edit_manifest(out, lambda m: m.pop("integrity"))
+
+
 def _integrity_dev_zero_link(out):
     if not Path("/dev/zero").exists():
         pytest.skip("no /dev/zero")
@@ -175,6 +181,7 @@ EXPORT_FOLDERS = {
     "integrity key a FIFO": (_integrity_fifo, "not a regular file"),
     "integrity key -> /dev/zero": (_integrity_dev_zero_link, "outside"),
     "graph a FIFO, no hashes": (_graph_fifo_without_hashes, "not a regular file"),
+    "drafter graph a FIFO, no hashes": (_drafter_graph_fifo_without_hashes, "not a regular file"),
     "tokenizer.json -> /dev/zero": (_tokenizer_dev_zero, "tokenizer.json"),
     "model.json -> /dev/zero": (_model_json_dev_zero, "model.json"),
     "model.json nested 100k deep": (_model_json_deep, "nests too deeply"),

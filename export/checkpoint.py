@@ -20,6 +20,7 @@ import numpy as np
 from hybrid_npu.chat_files import stop_token_ids
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import CONFIG_BYTES, TOKENIZER_BYTES, check_names, read_bytes, read_json, regular_size
 
 from .safetensors_io import SafetensorsFile
 
@@ -52,7 +53,7 @@ class Checkpoint:
 
     def fingerprint(self) -> str:
         """sha256 over config.json and every weight file's name, size and header (fast, no full read)."""
-        h = hashlib.sha256((self.path / "config.json").read_bytes())
+        h = hashlib.sha256(read_bytes(self.path / "config.json", CONFIG_BYTES, "config.json", _FIX))
         for f in sorted(self.path.glob("*.safetensors")):
             h.update(f.name.encode())
             h.update(str(f.stat().st_size).encode())
@@ -84,6 +85,8 @@ _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
                   "max_position_embeddings")
 _SIDE_JSON = ("generation_config.json", "tokenizer_config.json")
+_FIX = "fix or delete it"
+INDEX_BYTES = 64 << 20  # model.safetensors.index.json: one line per tensor
 
 
 def check_config_values(path: Path, raw) -> None:
@@ -100,15 +103,15 @@ def check_config_values(path: Path, raw) -> None:
             continue
         v = text[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise UserError(f"{cfg_file}: {key} must be a positive integer, got {json.dumps(v)}")
+            raise UserError(f"{cfg_file}: {key} must be a positive integer, got {json.dumps(v)[:80]}")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise UserError(f"{cfg_file}: rope_parameters must be a JSON object, got {json.dumps(rope)}")
+        raise UserError(f"{cfg_file}: rope_parameters must be a JSON object, got {json.dumps(rope)[:80]}")
     for where, key in (*((text, k) for k in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")),
                        (rope, "rope_theta"), (rope, "partial_rotary_factor")):
         v = where.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise UserError(f"{cfg_file}: {key} must be a positive number, got {json.dumps(v)}")
+            raise UserError(f"{cfg_file}: {key} must be a positive number, got {json.dumps(v)[:80]}")
     lt = text.get("layer_types")
     if lt is not None and not (isinstance(lt, list) and all(isinstance(t, str) for t in lt)):
         raise UserError(f"{cfg_file}: layer_types must be a list of layer type names")
@@ -116,10 +119,7 @@ def check_config_values(path: Path, raw) -> None:
         f = path / name
         if not f.exists():
             continue
-        try:
-            side = json.loads(f.read_text(encoding="utf-8"))
-        except (ValueError, OSError) as e:
-            raise UserError(f"{f}: not valid JSON ({e}); fix or delete it") from None
+        side = read_json(f, CONFIG_BYTES, name, _FIX)
         if not isinstance(side, dict):
             raise UserError(f"{f}: must be a JSON object, is a JSON {type(side).__name__}; fix or delete it")
 
@@ -209,11 +209,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError):
-            raise UserError(f"{index}: not a valid safetensors index (no weight_map)") from None
+    if index.exists() or index.is_symlink():
+        data = read_json(index, INDEX_BYTES, "the safetensors index", "copy the checkpoint again")
+        shards = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(shards, dict) or not all(_shard_name(s) for s in shards.values()):
+            raise UserError(f"{index}: not a valid safetensors index (it needs a weight_map of tensor -> shard "
+                            "file in this folder); copy the checkpoint again")
+        shard_names = sorted(set(shards.values()))
         missing = [s for s in shard_names if not (path / s).exists()]
         if missing:
             raise UserError(f"shard {missing[0]} listed in {index.name} is missing from {path}; copy the whole checkpoint")
@@ -225,6 +227,25 @@ def _weight_files(path: Path) -> list[Path]:
         raise UserError(f"{path} has only pickle weights (.bin/.pt); refusing to unpickle: convert to safetensors first "
                         "(transformers: model.save_pretrained(dir, safe_serialization=True))")
     raise UserError(f"{path} has no *.safetensors weights")
+
+
+def _shard_name(name) -> bool:
+    """A shard is a file beside the index: a plain name, never a path out of the checkpoint."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and ":" not in name and len(name) <= 255
+
+
+def check_side_files(path: Path) -> None:
+    """The checkpoint's tokenizer and config files are regular files of a bounded size (a link to
+    /dev/zero or a FIFO would be read, or copied, forever)."""
+    for name in ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES):
+        f = path / name
+        if f.exists() or f.is_symlink():
+            size = regular_size(f, name, "replace it with the model's own file")
+            limit = TOKENIZER_BYTES if name == "tokenizer.json" else INDEX_BYTES
+            if size > limit:
+                raise UserError(f"{f}: {name} is {size} bytes, more than the {limit} allowed; "
+                                "replace it with the model's own file")
 
 
 def _canonical(name: str) -> str | None:
@@ -278,22 +299,31 @@ def _split_qwen3_next(cfg: ModelConfig, shapes: dict, loaders: dict) -> None:
 
 def read_config_json(path: Path, what: str, kind: str) -> dict:
     """config.json of a checkpoint directory, or a one-line error naming `what` (e.g. "model path")."""
+    check_names(path, what)
     if not path.exists():
         raise UserError(f"{what} {path} does not exist")
     if not path.is_dir():
         raise UserError(f"{what} {path} is not a directory; pass {kind} directory")
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
+    if not cfg_file.exists() and not cfg_file.is_symlink():
         raise UserError(f"{path} has no config.json; pass {kind} directory")
-    try:
-        return json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise UserError(f"{cfg_file}: invalid JSON ({e})") from None
+    return read_json(cfg_file, CONFIG_BYTES, "config.json", _FIX)
+
+
+def _refuse_unused_layers(cfg: ModelConfig, shapes: dict) -> None:
+    """Weights of layers the config does not have: a config.json that declares fewer layers than
+    the checkpoint holds would export a smaller model without a word."""
+    numbers = {n.split(".")[1] for n in shapes if n.startswith("layers.")}
+    extra = sorted(int(i) for i in numbers if i.isdigit() and int(i) >= cfg.num_layers)
+    if extra:
+        raise UserError(f"the checkpoint holds weights of layer {extra[0]} (layers {extra[0]}..{extra[-1]}), but its "
+                        f"config.json declares {cfg.num_layers} layers; fix num_hidden_layers/layer_types in config.json")
 
 
 def read_checkpoint(path) -> Checkpoint:
     path = Path(path)
     raw = read_config_json(path, "model path", "a Hugging Face checkpoint")
+    check_side_files(path)
     cfg = parse_config(path, raw)
 
     shapes, loaders, mtp, dtypes, by_name = {}, {}, [], set(), {}
@@ -314,6 +344,7 @@ def read_checkpoint(path) -> Checkpoint:
             by_name[canon] = st.dtype(name)
             loaders[canon] = (lambda st=st, name=name: st.load(name))
     check_float_tensors(by_name)
+    _refuse_unused_layers(cfg, shapes)
     if raw.get("model_type") == "qwen3_next":
         _split_qwen3_next(cfg, shapes, loaders)
 

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from hybrid_npu.cli_common import OneLineParser, byte_size
+from hybrid_npu.cli_common import OneLineParser, byte_size, path_arg
 from hybrid_npu.errors import UserError
 
 
@@ -27,9 +27,9 @@ def build_parser() -> OneLineParser:
 
 def add_arguments(p) -> None:
     """export-hybrid's arguments; `optimum-cli export hybrid-npu` offers the same (optimum_plugin.py)."""
-    p.add_argument("source", nargs="?", help="local Hugging Face checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("output", nargs="?", help="directory to write the export into")
-    p.add_argument("--profile", help="device profile name or TOML path: also write its NPU graph parts and "
+    p.add_argument("source", nargs="?", type=path_arg, help="local Hugging Face checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("output", nargs="?", type=path_arg, help="directory to write the export into")
+    p.add_argument("--profile", type=path_arg, help="device profile name or TOML path: also write its NPU graph parts and "
                                      "precompiled QNN context binaries")
     p.add_argument("--no-compile", action="store_true", help="with --profile: skip the QNN context binaries")
     p.add_argument("--chunk", type=int, help="prefill chunk: tokens per prefill call (default: the profile's, or 128)")
@@ -42,13 +42,13 @@ def add_arguments(p) -> None:
     p.add_argument("--asymmetric", action="store_true", help="with --weights: a zero point per block")
     p.add_argument("--head-bits", type=int, choices=[8, 4],
                    help="with --weights: the lm_head's bits (default 8; 4 halves the largest single matrix)")
-    p.add_argument("--calibration", metavar="FILE",
+    p.add_argument("--calibration", metavar="FILE", type=path_arg,
                    help="with --weights and an NPU --profile: UTF-8 text the NPU graphs' activation ranges are "
                         "measured on (w8a16/w4a16 QDQ; the first 4096 tokens are used)")
     p.add_argument("--npu-quant", choices=["qdq", "nbits"],
                    help="with --weights and an NPU --profile: qdq (default; needs --calibration) or nbits (the "
                         "CPU's MatMulNBits weights on the HTP, fp16 activations, no calibration)")
-    p.add_argument("--drafter", help="mtp: the checkpoint's own MTP head (mtp.* tensors) drafts; or an EAGLE-3 "
+    p.add_argument("--drafter", type=path_arg, help="mtp: the checkpoint's own MTP head (mtp.* tensors) drafts; or an EAGLE-3 "
                                      "drafter checkpoint directory (official/SpecForge or speculators layout) to "
                                      "export beside the model; speculation is then on by default")
     p.add_argument("--drafter-weights", choices=["float", "int8", "int4"],
@@ -59,14 +59,14 @@ def add_arguments(p) -> None:
                         "head product N/V the size; lossless, the target verifies). Default (or 0): all "
                         "of them. Give --mtp-vocab-text too: without it the lowest ids are kept, which "
                         "favour English and code")
-    p.add_argument("--mtp-vocab-text", metavar="FILE",
+    p.add_argument("--mtp-vocab-text", metavar="FILE", type=path_arg,
                    help="with --mtp-vocab: count token frequencies over this UTF-8 text (default: the "
                         "tokenizer's merge order)")
     p.add_argument("--verify", type=int, help="tree-verify graph size in tokens (default: the profile's, or 32)")
     p.add_argument("--force", action="store_true",
                    help="also replace an output directory holding a damaged or older export (a directory that is "
                         "not an export, or holds the source, is never replaced)")
-    p.add_argument("--check-npu", metavar="EXPORT", help="compile EXPORT's NPU graphs for --profile with CPU fallback "
+    p.add_argument("--check-npu", metavar="EXPORT", type=path_arg, help="compile EXPORT's NPU graphs for --profile with CPU fallback "
                                                          "disabled and report placement per graph")
     p.add_argument("--json", action="store_true", help="with --check-npu: print the report as JSON")
     p.add_argument("--max-context", type=int, metavar="N",

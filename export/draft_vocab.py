@@ -18,12 +18,12 @@ of) and the model's stop tokens are always kept.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import TOKENIZER_BYTES, read_json
 
 from .text_input import read_text_input, text_tokenizer
 
@@ -52,10 +52,11 @@ def trim_hints(vocab_size: int, asked: int | None, text) -> str | None:
 def added_token_ids(tokenizer_json: Path) -> set[int]:
     """The ids of the tokenizer's added tokens (special and not): tokenizer.json's "added_tokens"."""
     try:
-        data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(Path(tokenizer_json), TOKENIZER_BYTES, "tokenizer.json", "", max_depth=None)
+    except (OSError, UserError):
         return set()
-    return {int(t["id"]) for t in data.get("added_tokens", [])}
+    added = data.get("added_tokens") if isinstance(data, dict) else None
+    return {int(t["id"]) for t in added or [] if isinstance(t, dict) and type(t.get("id")) is int}
 
 
 def token_counts(text_file: Path, tokenizer_json: Path, vocab_size: int) -> np.ndarray:

@@ -20,6 +20,7 @@ import onnx
 from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
 from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_GRAPHS, STORAGE_DTYPES as DTYPES,
                                VERIFY_ANY_COUNT)
 
@@ -106,7 +107,11 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     say = progress or (lambda msg: None)
     warn = warn or (lambda msg: print(f"hybrid-npu: warning: {msg}", file=sys.stderr, flush=True))
     ck = read_checkpoint(src)
-    check_tokenizer(ck.path, warn)
+    check_tokenizer(ck.path, warn, ck.config.vocab_size)
+    if chat_files.chat_template(ck.path)[0] is None:
+        warn(f"{ck.path} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json): "
+             "npu-chat and npu-serve will refuse to chat with this export; copy the model's template into the "
+             "checkpoint and export again (npu-summarize --raw and token ids still work)")
     calib = read_calibration(plan.options.calibration, ck.path / "tokenizer.json") if plan.npu_quant == "qdq" else None
     if plan.npu_quant == "nbits":
         _check_nbits_widths(ck.config, plan.quant.block_size)
@@ -154,6 +159,7 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
             say("checking parity against the source")
             check(tmp, manifest)
         if out.exists():
+            check_output(ck.path, out, force)  # again: the user may have put a file there meanwhile
             shutil.rmtree(out)
         finish_partial(tmp)
         tmp.rename(out)
@@ -174,9 +180,9 @@ def mtp_draft_ids(ck, options: ExportOptions, n: int):
     return choose_draft_vocab(v, n, added_token_ids(tok) | set(ck.config.eos_token_ids), counts)
 
 
-def check_tokenizer(src: Path, warn: Callable[[str], None]) -> None:
-    """A tokenizer.json that does not load is refused now, not copied to fail in npu-chat; none at
-    all is allowed (the API takes token ids) but said."""
+def check_tokenizer(src: Path, warn: Callable[[str], None], vocab_size: int | None = None) -> None:
+    """A tokenizer.json that does not load, or that has ids the model has no row for, is refused now,
+    not copied to fail in npu-chat; none at all is allowed (the API takes token ids) but said."""
     f = src / "tokenizer.json"
     if not f.exists():
         warn(f"{src} has no tokenizer.json: the export will take token ids only (npu-chat and npu-summarize "
@@ -184,11 +190,19 @@ def check_tokenizer(src: Path, warn: Callable[[str], None]) -> None:
         return
     from tokenizers import Tokenizer
 
+    text = read_text(f, TOKENIZER_BYTES, "tokenizer.json", "copy the model's tokenizer.json again")
     try:
-        Tokenizer.from_file(str(f))
+        tok = Tokenizer.from_str(text)
     except Exception as e:  # the tokenizers library raises a bare Exception
         raise UserError(f"{f} does not load as a tokenizer ({str(e).splitlines()[0][:160]}); copy the model's "
                         "tokenizer.json again") from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None and size > vocab_size:
+        top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise UserError(f"{f} has token ids up to {top}, but the model's vocabulary has {vocab_size} rows "
+                            "(config.json vocab_size): this tokenizer belongs to another model; copy the model's "
+                            "own tokenizer.json")
 
 
 def _check_nbits_widths(cfg: ModelConfig, block: int) -> None:

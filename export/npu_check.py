@@ -15,6 +15,8 @@ from pathlib import Path
 
 import onnx
 
+from hybrid_npu.orphan import exit_with_parent, parent_token
+
 _PASSED = re.compile(r"Validation PASSED for (\d+) nodes")
 _FAILED = re.compile(r"Validation FAILED for (\d+) nodes in OrtNodeUnit \((\w+)\)")
 _NODE = re.compile(r"Node name: (\S+)")
@@ -44,7 +46,8 @@ def compile_on_npu(graph: Path, provider_options: dict, free_dims: dict | None =
                    config: dict | None = None, timeout: float = 1800) -> dict:
     """Compile `graph` on the HTP in a child process; returns a report dict (never raises on refusal)."""
     cmd = [sys.executable, "-m", "hybrid_npu.export.npu_check", str(graph), "--options", json.dumps(provider_options),
-           "--free-dims", json.dumps(free_dims or {}), "--config", json.dumps(config or {})]
+           "--free-dims", json.dumps(free_dims or {}), "--config", json.dumps(config or {}),
+           "--parent", parent_token()]  # the compile ends with us, however we end
     report = {"graph": Path(graph).name, "nodes": len(onnx.load(str(graph), load_external_data=False).graph.node)}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -74,7 +77,10 @@ def _worker(argv) -> int:
     ap.add_argument("--options", required=True)
     ap.add_argument("--free-dims", default="{}")
     ap.add_argument("--config", default="{}")
+    ap.add_argument("--parent", help="pid:start-ms of the export that started us: end when it ends")
     args = ap.parse_args(argv)
+    if args.parent:
+        exit_with_parent(args.parent)
     try:
         so = qnn_session_options(json.loads(args.options), json.loads(args.free_dims), json.loads(args.config))
     except NpuUnavailable as e:

@@ -1,7 +1,6 @@
 """--check-npu: every NPU graph of an export for a profile, compiled with CPU fallback disabled."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -11,7 +10,7 @@ from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.runtime.for_export import NpuUnavailable, npu_part_files, with_export_capacity
 
-from .manifest import MANIFEST, is_export
+from .manifest import is_export, read_manifest_json
 from .npu_check import compile_on_npu
 
 
@@ -24,7 +23,7 @@ def check_export(export_dir, profile, progress: Callable[[str], None] | None = N
     prof = load_profile(profile)
     if not prof.has_npu:
         raise UserError(f"profile {prof.name} has no NPU; choose an NPU profile such as snapdragon-x-elite")
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_manifest_json(path)
     prof = with_export_capacity(prof, manifest)
     try:
         files = npu_part_files(path, manifest, prof)

@@ -7,6 +7,11 @@ rules that keep a user's files safe:
 * an existing non-empty output is replaced only when it is one of our exports: a valid manifest
   always, a damaged or older manifest (model.json beside graphs/) with --force; a directory
   without model.json is never replaced, --force or not;
+* and only when it holds nothing but what export-hybrid wrote: the files its manifest's integrity
+  entry lists (and model.json), or, where that list cannot be read (a damaged manifest, an export
+  from before hashes), files in an export's own places (graphs/, drafter/, mtp/, ctx/, the
+  tokenizer files). Anything else there (a saved chat, notes) is refused in one line, --force
+  or not: replacing the folder would delete it;
 * each partial directory holds a marker naming the process that builds it; a partial whose
   process is gone (SIGKILL, OOM, power loss) is removed by the next export of that output.
   Directories without our marker are never touched.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import socket
 import tempfile
@@ -26,7 +32,7 @@ import psutil
 from hybrid_npu.errors import UserError
 from hybrid_npu.permissions import as_user_would_create
 
-from .manifest import MANIFEST, is_export
+from .manifest import MANIFEST, is_export, read_manifest_json
 
 PARTIAL_MARKER = ".hybrid-npu-partial"
 _MARKER_KIND = "hybrid-npu partial export"
@@ -35,6 +41,44 @@ _MARKER_KIND = "hybrid-npu partial export"
 def _ours_by_name(out: Path) -> bool:
     """A damaged or other-version export of ours: model.json beside graphs/ (what --force may replace)."""
     return (out / MANIFEST).is_file() and (out / "graphs").is_dir()
+
+
+EXPORT_DIRS = ("graphs", "drafter", "mtp", "ctx")  # where an export writes, beside its top-level files
+EXPORT_TOP = (MANIFEST, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def _listed(out: Path) -> set[str] | None:
+    """The files the export in `out` says it wrote (its integrity entry), or None when it cannot say."""
+    m = read_manifest_json(out)
+    files = m.get("integrity", {}).get("files") if isinstance(m, dict) and isinstance(m.get("integrity"), dict) else None
+    return {*files, MANIFEST} if isinstance(files, dict) else None
+
+
+def foreign_files(out: Path) -> list[str]:
+    """Files (and links) under `out` that export-hybrid did not write, as relative POSIX paths."""
+    listed = _listed(out)
+    found = []
+    for root, dirs, files in os.walk(out):  # never follows a link to a directory: the link itself is foreign
+        here = Path(root)
+        links = [d for d in dirs if (here / d).is_symlink()]
+        dirs[:] = [d for d in dirs if d not in links]
+        for name in [*files, *links]:
+            rel = (here / name).relative_to(out).as_posix()
+            ours = (rel in listed and not (here / name).is_symlink()) if listed is not None else \
+                (rel in EXPORT_TOP or rel.split("/")[0] in EXPORT_DIRS)
+            if not ours:
+                found.append(rel)
+    return sorted(found)
+
+
+def _refuse_foreign(out: Path) -> None:
+    foreign = foreign_files(out)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise UserError(f"output directory {out} holds {foreign[0]}{more}, which export-hybrid did not write; "
+                        "replacing the export would delete it (even with --force): move it out, or choose "
+                        "another output directory")
 
 
 def check_output(src: Path, out: Path, force: bool) -> None:
@@ -48,11 +92,13 @@ def check_output(src: Path, out: Path, force: bool) -> None:
     if not out.exists() or not any(out.iterdir()):
         return
     if is_export(out):
+        _refuse_foreign(out)
         return
     if s in o.parents:  # whatever else is in there may be part of the checkpoint
         raise UserError(f"output {out} is an existing directory inside the source checkpoint {src} and not a "
                         "valid export; refusing to replace it (even with --force): choose a directory outside it")
     if force and _ours_by_name(out):
+        _refuse_foreign(out)
         return
     if _ours_by_name(out):
         raise UserError(f"output directory {out} holds a damaged or older hybrid-npu export; pass --force to "

@@ -7,6 +7,8 @@ raw little-endian data) and widened exactly (bf16 is the top half of an fp32).
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -14,9 +16,30 @@ import numpy as np
 from safetensors import safe_open
 
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import open_regular
 
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
               "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+_HEADER_BYTES = 100_000_000
+
+
+def _entry_problem(info) -> str | None:
+    """What is wrong with one tensor's header entry (None: nothing): the reader trusts its offsets."""
+    if not isinstance(info, dict):
+        return f"a JSON {type(info).__name__}, not an object"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ITEMSIZE:
+        return f"dtype {str(dtype)[:20]!r}"
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"shape {str(shape)[:40]}"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        return f"data_offsets {str(offsets)[:40]}"
+    if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
+        return f"data_offsets span {offsets[1] - offsets[0]} bytes, {dtype} {shape} needs {math.prod(shape) * _ITEMSIZE[dtype]}"
+    return None
 
 
 class SafetensorsFile:
@@ -24,18 +47,26 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
+        fix = "re-download or re-save it"
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, "a safetensors file", fix) as f:
+                size = os.fstat(f.fileno()).st_size
                 (header_len,) = struct.unpack("<Q", f.read(8))
-                if header_len > 100_000_000:
+                if header_len > min(_HEADER_BYTES, size - 8):
                     raise ValueError("header length out of range")
                 self.header = json.loads(f.read(header_len))
+        except RecursionError:
+            raise UserError(f"{path}: not a readable safetensors file (its header nests too deeply); {fix}") from None
         except (OSError, ValueError, struct.error) as e:
-            raise UserError(f"{path}: not a readable safetensors file ({e}); re-download or re-save it") from None
+            raise UserError(f"{path}: not a readable safetensors file ({str(e)[:160]}); {fix}") from None
+        if not isinstance(self.header, dict):
+            raise UserError(f"{path}: not a readable safetensors file (its header is not a JSON object); {fix}")
         self.data_start = 8 + header_len
         self.header.pop("__metadata__", None)
-        size = path.stat().st_size
         for name, info in self.header.items():
+            problem = _entry_problem(info)
+            if problem:
+                raise UserError(f"{path.name}: tensor {str(name)[:80]} has a damaged header entry ({problem}); {fix}")
             end = self.data_start + info["data_offsets"][1]
             if end > size:
                 raise UserError(f"{path.name}: tensor {name} is truncated (needs {end} bytes, file has {size}); "

@@ -216,12 +216,17 @@ def load_profile(name_or_path: str | Path) -> Profile:
                     f"(or give a path to a .toml file; user profiles go in {user_profile_dir()})")
 
 
+PROFILE_BYTES = 1 << 20  # a profile is a few dozen lines
+
+
 def _load_file(path: Path) -> Profile:
+    from hybrid_npu.safe_files import read_text
+
+    text = read_text(path, PROFILE_BYTES, "the profile", "check the file, or give a profile name")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"profile {path}: cannot read it ({e}); check the file and its permissions") from None
-    return _parse(text, path)
+        return _parse(text, path)
+    except RecursionError:
+        raise UserError(f"profile {path}: its TOML nests too deeply; check the file") from None
 
 
 # ------------------------------------------------------------------ validation

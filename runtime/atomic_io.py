@@ -4,7 +4,9 @@ The content goes to a temporary file with a unique name beside the target (two s
 never share a temporary file), is fsynced, then renamed over the target with os.replace (atomic on
 POSIX and on Windows/NTFS). Any failure (disk full, a name the filesystem refuses, no permission)
 removes the temporary file, leaves the previous version untouched and becomes one UserError line
-that says why and what to do.
+that says why and what to do. A save killed outright (SIGKILL, power loss) cannot clean up: its
+temporary file's name carries its process id and start time, and the next save to the same path
+removes those whose process is gone.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+import psutil
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.permissions import as_user_would_create
@@ -51,8 +55,9 @@ def write_atomically(path, write: Callable[[Path], None], what: str) -> None:
     path = Path(path)
     check_target(path, what)
     short = path.name if len(path.name) <= 60 else path.name[:40] + "…"
+    remove_stale_temporaries(path)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name[:24]}.", suffix=".tmp", dir=path.parent)
+        fd, tmp_name = tempfile.mkstemp(prefix=f"{_prefix(path)}{_owner()}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise UserError(f"cannot save {what} to {short}: {os_error_line(e)}") from None
     os.close(fd)
@@ -71,6 +76,47 @@ def write_atomically(path, write: Callable[[Path], None], what: str) -> None:
             tmp.unlink(missing_ok=True)  # gone already after os.replace; never mask the real error
         except OSError:
             pass
+
+
+def _prefix(path: Path) -> str:
+    return f".{path.name[:24]}."
+
+
+def _owner() -> str:
+    """pid-starttime of this process: a later save can tell a temporary file whose writer is gone."""
+    me = psutil.Process()
+    return f"{me.pid}-{int(me.create_time() * 1000)}"
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Remove the temporary files of earlier saves to `path` whose process no longer runs (killed
+    with SIGKILL, or by a power loss, before it could clean up). Another machine's writer on a
+    shared disk would look gone: its file is left alone unless its pid is not running here either,
+    which is the best a name can tell."""
+    removed = []
+    prefix = _prefix(path)
+    try:
+        candidates = [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    for tmp in candidates:
+        owner = tmp.name[len(prefix):].split(".", 1)[0]
+        pid, _, started = owner.partition("-")
+        if not (pid.isdigit() and started.isdigit()) or tmp.is_symlink() or not tmp.is_file():
+            continue  # not a name this module gives
+        try:
+            alive = abs(psutil.Process(int(pid)).create_time() * 1000 - int(started)) < 1000
+        except psutil.NoSuchProcess:
+            alive = False
+        except psutil.Error:
+            alive = True
+        if not alive:
+            try:
+                tmp.unlink()
+                removed.append(tmp)
+            except OSError:
+                pass
+    return removed
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from hybrid_npu.cli_common import OneLineParser
+from hybrid_npu.cli_common import OneLineParser, path_arg
 from hybrid_npu.errors import UserError
 
 
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     p = OneLineParser(prog="npu-bench", description="Measure this machine; write what was measured into a profile.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("calibrate", help="measure CPU vs NPU prefill and CPU decode; write the NPU threshold")
-    c.add_argument("--profile", required=True, help="device profile name or TOML path")
-    c.add_argument("--model", required=True, help="an export-hybrid output directory to measure with")
+    c.add_argument("--profile", required=True, type=path_arg, help="device profile name or TOML path")
+    c.add_argument("--model", required=True, type=path_arg, help="an export-hybrid output directory to measure with")
     c.add_argument("--lengths", default="128,512,2048", help="comma-separated prompt lengths")
     c.add_argument("--no-write", action="store_true", help="measure only; leave the user profile alone")
     c.add_argument("--json", action="store_true")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser, report, stdout_closed
+from hybrid_npu.cli_common import OneLineParser, path_arg, report, stdout_closed
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
 
@@ -16,7 +16,7 @@ from .model_args import add_engine_arguments, check_engine_arguments, open_model
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="npu-chat", description="Chat with an exported hybrid model (REPL; /help inside), "
                                                     "or answer one --prompt and exit.")
-    p.add_argument("model", nargs="?", help="an export-hybrid output directory (default: the embedded model)")
+    p.add_argument("model", nargs="?", type=path_arg, help="an export-hybrid output directory (default: the embedded model)")
     add_engine_arguments(p, "where prompts are prefilled")
     p.add_argument("--top-p", type=float, help="nucleus sampling (default: the model's generation_config, else 1)")
     p.add_argument("--top-k", type=int, help="0 = off (default: the model's generation_config, else off)")
@@ -24,7 +24,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens (default: 512)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end of turn (benchmarks)")
     p.add_argument("--system", help="system prompt (\"\" keeps an empty one; omit it for none)")
-    p.add_argument("--tools", metavar="FILE.json",
+    p.add_argument("--tools", metavar="FILE.json", type=path_arg,
                    help="a JSON list of OpenAI-style function specs the template shows the model; its calls come "
                         "back in --json's tool_calls (REPL: shown; answer with /tool RESULT). Nothing is executed")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
@@ -73,18 +73,28 @@ def sampling_note(engine, sampling) -> str:
     return f"temperature {t:g}, top_k {k or 'off'}, top_p {p:g}" + ("" if given else " (model defaults)")
 
 
+def check_tools_section(template, tools) -> None:
+    """--tools given to a template that never reads `tools` would be dropped without a word."""
+    if tools and template is not None and "tools" not in template.source:
+        raise UserError("this model's chat template has no tools section (it never reads `tools`), so the model "
+                        "would not see --tools; drop --tools or use a model whose template takes tools")
+
+
 def render_only(a, tools) -> str:
     """The prompt for --system/--tools/--prompt/--think, from the export's files alone."""
     import hybrid_npu
 
     from .chat_template import ChatTemplate
+    from .export_check import read_manifest
 
     path = Path(a.model) if a.model else hybrid_npu.default_model()
     if not (path / MANIFEST).is_file():
         raise UserError(f"{path} is not a hybrid-npu export (no model.json); give an export-hybrid output directory")
+    read_manifest(path)  # a bounded, checked read before the template's own
     template = ChatTemplate.from_export(path)
     if a.think is not None and not template.has_thinking_switch:
         raise UserError("this model's chat template has no thinking switch (enable_thinking); drop --think/--no-think")
+    check_tools_section(template, tools)
     messages = ([] if a.system is None else [{"role": "system", "content": a.system}]) + \
         [{"role": "user", "content": a.prompt}]
     return template.render(messages, add_generation_prompt=True, enable_thinking=a.think, tools=tools)
@@ -111,6 +121,7 @@ def main(argv=None) -> int:
             return 0
         engine = open_model(a.model, a, checkpoints=0 if a.prompt is not None else None)
         conv = Conversation(engine, system=a.system, enable_thinking=a.think, tools=tools)
+        check_tools_section(conv.template, tools)
         sampling = Sampling(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                             top_p=a.top_p, seed=a.seed, speculative=False if a.no_speculative else None,
                             stop_at_eos=not a.ignore_eos)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import read_text
 
 from .chat_template import ChatTemplate
 from .checkpoints import common_prefix
@@ -128,6 +129,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+SIDECAR_BYTES = 64 << 20  # a chat's messages beside an older snapshot
+
+
 def sidecar(path) -> Path:
     """Where the messages of a saved chat live: next to the snapshot, FILE.json."""
     return Path(f"{path}.json")
@@ -228,14 +232,10 @@ def _saved_messages(path: Path, extra: dict) -> list[dict]:
         data, where = _json(extra[CHAT_KEY], path, path.name), path.name
     else:
         side = sidecar(path)
-        try:
-            text = side.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        if not side.exists() and not side.is_symlink():
             raise UserError(f"cannot load chat {path}: it holds no messages (an engine snapshot, not a /save); "
-                            "load it with engine.load_state, or give a file written by /save") from None
-        except OSError as e:
-            raise UserError(f"cannot load chat {path}: {side.name} is unreadable ({e.strerror or e}); "
-                            "save the chat again") from None
+                            "load it with engine.load_state, or give a file written by /save")
+        text = read_text(side, SIDECAR_BYTES, "the chat's messages", "save the chat again")
         data, where = _json(text, path, side.name), side.name
         if isinstance(data, dict) and data.get("state_sha256") != _sha256(path):
             raise UserError(f"cannot load chat {path}: the snapshot does not match {side.name} "
@@ -249,8 +249,10 @@ def _saved_messages(path: Path, extra: dict) -> list[dict]:
 def _json(text: str, path: Path, where: str):
     try:
         return json.loads(text)
+    except RecursionError:
+        raise UserError(f"cannot load chat {path}: {where} nests too deeply; save the chat again") from None
     except ValueError as e:
-        raise UserError(f"cannot load chat {path}: {where} is unreadable ({e}); save the chat again") from None
+        raise UserError(f"cannot load chat {path}: {where} is unreadable ({str(e)[:120]}); save the chat again") from None
 
 
 def _valid(messages) -> bool:

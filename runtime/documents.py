@@ -9,6 +9,9 @@ all in memory).
 from __future__ import annotations
 
 import codecs
+import logging
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -64,9 +67,7 @@ def read_document(path, take: Callable[[str], None] | None = None) -> str:
     path = Path(path)
     kind = check_document(path)
     if kind == "pdf":
-        text = _read_pdf(path)
-        if take:
-            take(text)
+        text = _read_pdf(path, take)
     else:
         text = _read_text(path, take)
     if not text.strip():
@@ -121,20 +122,79 @@ def _block_end(text: str) -> int:
             return i + 1
 
 
-def _read_pdf(path: Path) -> str:
+PDF_BYTES = 512 << 20  # the file itself: pypdf holds it in memory
+
+
+class _Runs:
+    """Text runs as pypdf's extraction meets them, handed to `take` in blocks of about BLOCK_BYTES
+    characters: a page holding megabytes of text is counted, and refused, while it is extracted.
+    The runs are joined without separators, so they count at most the tokens of the text that
+    extract_text returns (which adds spaces and newlines between them)."""
+
+    def __init__(self, take: Callable[[str], None]):
+        self.take, self.runs, self.size = take, [], 0
+
+    def __call__(self, text, *_):
+        if not text:
+            return
+        self.runs.append(text)
+        self.size += len(text)
+        if self.size >= BLOCK_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.runs:
+            text, self.runs, self.size = "".join(self.runs), [], 0
+            for i in range(0, len(text), BLOCK_BYTES):  # one run may itself be megabytes
+                self.take(text[i:i + BLOCK_BYTES])
+
+
+@contextmanager
+def _quiet_pypdf():
+    """pypdf reports what it repairs through logging and warnings: not the user's lines to read."""
+    logger = logging.getLogger("pypdf")
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.CRITICAL + 1)
+    logger.propagate = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _read_pdf(path: Path, take: Callable[[str], None] | None = None) -> str:
+    """Page by page; `take` sees each page's text as it is extracted (and may refuse, raising)."""
     try:
         from pypdf import PdfReader
     except ImportError:
         raise UserError(f"{path}: reading PDF needs pypdf; install it with: pip install hybrid-npu[pdf]") from None
+    size = path.stat().st_size
+    if size > PDF_BYTES:
+        raise UserError(f"{path} is {size} bytes, more than the {PDF_BYTES} a PDF may have here; "
+                        "export its text as .txt and summarize that")
+    pages = []
     try:
-        reader = PdfReader(path)
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise UserError(f"{path} is password-protected; save an unprotected copy or export it as .txt")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        with _quiet_pypdf():
+            reader = PdfReader(path)
+            if reader.is_encrypted and not reader.decrypt(""):
+                raise UserError(f"{path} is password-protected; save an unprotected copy or export it as .txt")
+            for page in reader.pages:
+                runs = _Runs(take) if take else None
+                text = (page.extract_text(visitor_text=runs) or "").strip()
+                if runs:
+                    runs.flush()
+                if text:
+                    pages.append(text)
     except UserError:
         raise
+    except RecursionError:
+        raise UserError(f"{path} is not a readable PDF (its objects nest too deeply); "
+                        "check the file or export it as .txt") from None
     except Exception as e:  # noqa: BLE001 - a damaged PDF fails anywhere inside pypdf; the user needs one line
-        reason = " ".join(str(e).split())  # pypdf messages may span lines
+        reason = " ".join(str(e).split())[:200]  # pypdf messages may span lines
         raise UserError(f"{path} is not a readable PDF ({type(e).__name__}: {reason}); "
                         "check the file or export it as .txt") from None
-    return "\n\n".join(p.strip() for p in pages if p.strip())
+    return "\n\n".join(pages)

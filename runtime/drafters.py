@@ -10,17 +10,26 @@ absent: exports made before MTP). The engine's `drafter=` argument chooses:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_DIR, DRAFTER_MANIFEST, EAGLE3_KIND as EAGLE3, MTP_KIND as MTP
+from hybrid_npu.safe_files import CONFIG_BYTES, read_json
 
 KINDS = (EAGLE3, MTP)
 
 
+def read_drafter_manifest(d: Path) -> dict:
+    """drafter.json: a bounded regular file holding a JSON object, or one UserError line."""
+    fix = "re-export the drafter with: export-hybrid SOURCE OUT --drafter DRAFTER"
+    m = read_json(Path(d) / DRAFTER_MANIFEST, CONFIG_BYTES, "the drafter manifest", fix)
+    if not isinstance(m, dict):
+        raise UserError(f"{Path(d) / DRAFTER_MANIFEST}: not a drafter manifest (a JSON {type(m).__name__}); {fix}")
+    return m
+
+
 def drafter_kind(d: Path) -> str:
-    return json.loads((d / DRAFTER_MANIFEST).read_text()).get("kind", EAGLE3)
+    return read_drafter_manifest(d).get("kind", EAGLE3)
 
 
 def choose_drafter_dir(export: Path, manifest: dict, choice):

@@ -18,7 +18,6 @@ absolute positions: relative distances inside the window are what the drafter wa
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT as FORMAT, DRAFTER_MANIFEST as MANIFEST
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.rope import rope_rows, rope_tables
+from hybrid_npu.safe_files import inside, read_bytes, regular_size
 
 from .session_options import cpu_inference_session, session_options
 from .state import grown_capacity
@@ -60,12 +60,42 @@ def top_k_stable(scores: np.ndarray, k: int) -> np.ndarray:
     return out.reshape(scores.shape[:-1] + (k,))
 
 
+VOCAB_BYTES = 64 << 20  # a draft vocabulary: 8 bytes per id, far below a million ids
+FIX = "re-export the drafter with: export-hybrid SOURCE OUT --drafter DRAFTER"
+
+
 def read_draft_vocab(drafter_dir: Path, record: dict) -> np.ndarray:
     """The target id of each draft id, from a drafter manifest's "vocab" record (EAGLE-3's own
     vocabulary, a trimmed MTP head's; export/drafter.py write_draft_vocab)."""
-    from safetensors.numpy import load_file
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
 
-    return load_file(str(Path(drafter_dir) / record["file"]))[record["tensor"]]
+    f = inside(Path(drafter_dir), record.get("file"), "draft vocabulary file", FIX)
+    try:
+        ids = load(read_bytes(f, VOCAB_BYTES, "the draft vocabulary", FIX))[record["tensor"]]
+    except (SafetensorError, KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{f}: not a draft vocabulary ({str(e)[:120]}); {FIX}") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise UserError(f"{f}: the draft vocabulary is {ids.dtype} {list(ids.shape)}, not a list of ids; {FIX}")
+    return ids
+
+
+def drafter_graph(drafter_dir: Path, rel) -> Path:
+    """A drafter graph file: inside its directory and a regular file (ONNX Runtime would block on a FIFO)."""
+    f = inside(Path(drafter_dir), rel, "drafter graph", FIX)
+    regular_size(f, "drafter graph", FIX)
+    return f
+
+
+def check_drafter_shapes(path: Path, session, nkv: int, hd: int) -> None:
+    """drafter.json's K/V numbers against the graph's own past_key before a buffer is sized by them."""
+    for i in session.get_inputs():
+        if i.name == "past_key":
+            want = [nkv, None, hd]
+            got = [d if isinstance(d, int) else None for d in i.shape]
+            if len(got) != 3 or any(g is not None and g != w for g, w in zip(got, want)):
+                raise UserError(f"{path / MANIFEST} contradicts its graph: past_key is {got} in the graph, "
+                                f"{want} by the manifest; {FIX}")
 
 
 class Eagle3Drafter:
@@ -75,7 +105,9 @@ class Eagle3Drafter:
         mf = self.path / MANIFEST
         if not mf.exists():
             raise UserError(f"{self.path} is not an exported drafter (no {MANIFEST}); export it with export_drafter")
-        self.manifest = json.loads(mf.read_text())
+        from .drafters import read_drafter_manifest
+
+        self.manifest = read_drafter_manifest(self.path)
         if self.manifest.get("format") != FORMAT:
             raise UserError(f"{mf}: format {self.manifest.get('format')!r}, expected {FORMAT!r}; re-export the drafter")
         c = self.manifest["config"]
@@ -88,8 +120,9 @@ class Eagle3Drafter:
         # proposed a depth-6 chain in 7.7 ms on one thread against ~20 ms on two (thread hand-offs).
         weights = sum(f.stat().st_size for f in self.path.glob("*.bin"))
         opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)
-        self.fc = cpu_inference_session(self.path / "drafter_fc.onnx", opts)
-        self.step = cpu_inference_session(self.path / "drafter.onnx", opts)
+        self.fc = cpu_inference_session(drafter_graph(self.path, "drafter_fc.onnx"), opts)
+        self.step = cpu_inference_session(drafter_graph(self.path, "drafter.onnx"), opts)
+        check_drafter_shapes(self.path, self.step, self.nkv, self.hd)
         self.reset()
 
     # ---------------------------------------------------------------- state

@@ -21,6 +21,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, VERIFY_ANY_COUNT, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
+from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
 
 from .drafter_feed import DrafterFeed, feed_for
 from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext
@@ -211,8 +212,10 @@ class Engine:
         if not f.exists():
             return None
         from tokenizers import Tokenizer
+        text = read_text(f, TOKENIZER_BYTES, "the tokenizer", f"the export is damaged: re-export it with: "
+                         f"export-hybrid SOURCE {self.path}")
         try:
-            return Tokenizer.from_file(str(f))
+            return Tokenizer.from_str(text)
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise damaged(self.path, f.name, e) from None
 
@@ -504,7 +507,8 @@ class Engine:
         (raise) before anything changes."""
         from .snapshot import read_snapshot
 
-        state, extra, saved = read_snapshot(path, self.config, manifest_hash(self.path), KV_BLOCK)
+        state, extra, saved = read_snapshot(path, self.config, manifest_hash(self.path), KV_BLOCK,
+                                            self.memory.max_context)
         if check is not None:
             check(extra)
         self.state = state

@@ -8,12 +8,12 @@ src/hybrid_npu/integrity.py (sizes always, hashes at first load).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import FORMAT, MANIFEST
+from hybrid_npu.format import DRAFTER_DIR, FORMAT, MANIFEST, NPU_GRAPHS
+from hybrid_npu.safe_files import CONFIG_BYTES, inside, read_json, regular_size
 
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed
@@ -21,6 +21,8 @@ from .step_inputs import chain_feed
 REQUIRED = {"config": dict, "chunk": int, "graphs": dict, "weights": dict}
 _STATE_PREFIXES = ("conv_state.", "recurrent_state.", "past_key.", "past_value.")
 _CHAIN_GRAPHS = ("prefill", "decode", "cpu")  # the graphs fed by chain_feed (verify takes a tree)
+MAX_GRAPH_TOKENS = 4096  # a graph's N (chunk, verify nodes): its feeds hold N x (T + N) fp32 masks
+MAX_STATE_BYTES = 1 << 36   # 64 GiB of fixed state: no model this runs comes near it
 
 
 def _reexport(path: Path) -> str:
@@ -30,10 +32,7 @@ def _reexport(path: Path) -> str:
 def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
     """model.json and the ModelConfig it describes, or a UserError naming what is wrong."""
     mf = path / MANIFEST
-    try:
-        manifest = json.loads(mf.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{mf} is not valid JSON ({e}); the export is damaged: {_reexport(path)}") from None
+    manifest = read_json(mf, CONFIG_BYTES, "the manifest", f"the export is damaged: {_reexport(path)}")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise UserError(f"{mf}: not a {FORMAT} manifest (format {got!r}); {_reexport(path)}")
@@ -48,15 +47,55 @@ def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
         raise UserError(f"{mf}: its config is not a model config ({e}); {_reexport(path)}") from None
     except UserError as e:
         raise UserError(f"{mf}: {e}; {_reexport(path)}") from None
+    fix = f"the export is damaged or was edited: {_reexport(path)}"
     for name, g in manifest["graphs"].items():
-        if not isinstance(g, dict) or not isinstance(g.get("file"), str) or not isinstance(g.get("n"), int):
+        if not isinstance(g, dict) or not isinstance(g.get("file"), str) or type(g.get("n")) is not int \
+                or not 1 <= g["n"] <= MAX_GRAPH_TOKENS:
             raise UserError(f"{mf}: graph entry {name!r} is damaged; {_reexport(path)}")
+        f = inside(path, g["file"], f"graph {name}'s file", fix)
+        if f.exists() or f.is_symlink():  # ONNX Runtime would block on a FIFO (exports without hashes)
+            regular_size(f, f"graph {name}'s file", fix)
+    if "file" in manifest["weights"]:
+        inside(path, manifest["weights"].get("file"), "weights file", fix)
+    drafters, default = manifest.get("drafters") or {}, manifest.get("drafter")
+    if not isinstance(drafters, dict) or (default is not None and not isinstance(default, dict)):
+        raise UserError(f"{mf}: its drafter entries are damaged; {_reexport(path)}")
+    for kind, d in [*drafters.items(), *((("default", default.get("dir", DRAFTER_DIR)),) if default else ())]:
+        inside(path, d, f"{kind} drafter directory", fix)
+    for rel in _npu_files(manifest.get("npu"), mf, path):
+        inside(path, rel, "NPU graph or context file", fix)
+    fixed = cfg.state_bytes() + cfg.kv_bytes_per_token() * KV_BLOCK  # what State.fresh allocates
+    if fixed > MAX_STATE_BYTES:
+        raise UserError(f"{mf}: its config asks for {fixed} bytes of state; {fix}")
     if "prefill" not in manifest["graphs"] or "decode" not in manifest["graphs"]:
         raise UserError(f"{mf} lists no prefill/decode graphs; {_reexport(path)}")
     if manifest["chunk"] != manifest["graphs"]["prefill"]["n"]:
         raise UserError(f"{mf}: chunk {manifest['chunk']} contradicts the prefill graph's "
                         f"{manifest['graphs']['prefill']['n']} tokens; {_reexport(path)}")
+    for name, want in (("decode", 1), ("cpu", manifest["chunk"])):
+        got = manifest["graphs"].get(name, {"n": want})["n"]
+        if got != want:
+            raise UserError(f"{mf}: graph {name} takes {got} tokens, it must take {want}; {fix}")
     return manifest, cfg
+
+
+def _npu_files(npu, mf: Path, path: Path) -> list:
+    """Every file model.json's "npu" entry names (each profile's parts and context binaries)."""
+    if npu is None:
+        return []
+    damaged = UserError(f"{mf}: its npu entry is damaged; {_reexport(path)}")
+    if not isinstance(npu, dict):
+        raise damaged
+    files = []
+    for entry in npu.values():
+        if not isinstance(entry, dict):
+            raise damaged
+        for parts_key, context_key in NPU_GRAPHS.values():
+            parts, ctx = entry.get(parts_key) or [], entry.get(context_key) or {}
+            if not isinstance(parts, list) or not all(isinstance(q, dict) for q in parts) or not isinstance(ctx, dict):
+                raise damaged
+            files += [q.get("file") for q in parts] + list(ctx.get("files") or [])
+    return files
 
 
 def _check_config(cfg: ModelConfig) -> None:
@@ -79,13 +118,20 @@ def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int) 
     """The graph's declared inputs/outputs against what the manifest's config feeds and expects."""
     if name not in _CHAIN_GRAPHS:
         return
-    feed = chain_feed(cfg, State.fresh(cfg, KV_BLOCK), [0], n)
     inputs = {i.name: _dims(i.shape) for i in session.get_inputs()}
     optional = {i.name for i in session.get_overridable_initializers()}
 
     def contradiction(what: str) -> UserError:
         return UserError(f"{path / MANIFEST} contradicts {name}'s graph: {what}; the export is damaged or was "
                          f"edited: {_reexport(path)}")
+
+    # the numbers against the graph's own shapes before anything is allocated by them
+    for k, want in _symbolic_shapes(cfg, n).items():
+        got = inputs.get(k)
+        if got is not None and (len(got) != len(want) or any(g is not None and w is not None and g != w
+                                                             for g, w in zip(got, want))):
+            raise contradiction(f"input {k} is {got} in the graph, {want} by the config")
+    feed = chain_feed(cfg, State.fresh(cfg, KV_BLOCK), [0], n)
 
     units = {f"recurrent_scale.{i}" for i in cfg.linear_layers}  # Pipeline feeds these (state units)
     for k in inputs:
@@ -106,6 +152,19 @@ def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int) 
             raise contradiction(f"logits have {last} entries, the config's vocab_size is {cfg.vocab_size}")
         if o.name.startswith("tap.") and last not in (None, cfg.hidden_size):
             raise contradiction(f"{o.name} is {last} wide, the config's hidden_size is {cfg.hidden_size}")
+
+
+def _symbolic_shapes(cfg: ModelConfig, n: int) -> dict[str, list]:
+    """The shapes chain_feed gives a chain graph (None: free), computed without allocating them."""
+    shapes: dict[str, list] = {"input_ids": [n], "token_valid": [n], "attn_mask": [n, None]}
+    for i in cfg.linear_layers:
+        shapes[f"conv_state.{i}"] = [cfg.conv_dim, cfg.linear_conv_kernel_dim - 1]
+        shapes[f"recurrent_state.{i}"] = [cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                          cfg.linear_value_head_dim]
+    for i in cfg.full_layers:
+        shapes[f"past_key.{i}"] = [cfg.num_key_value_heads, None, cfg.head_dim]
+        shapes[f"past_value.{i}"] = [cfg.num_key_value_heads, cfg.head_dim, None]
+    return shapes
 
 
 def damaged(path: Path, file: str, e: Exception) -> UserError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads
+from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads, path_arg
 from hybrid_npu.errors import UserError
 
 from .drafters import KINDS as DRAFTER_KINDS
@@ -12,7 +12,7 @@ from .engine import PREFILL_MODES
 
 
 def add_engine_arguments(p: OneLineParser, prefill_help: str) -> None:
-    p.add_argument("--profile", default="cpu", help="device profile name or TOML path (default: cpu)")
+    p.add_argument("--profile", default="cpu", type=path_arg, help="device profile name or TOML path (default: cpu)")
     p.add_argument("--prefill", choices=PREFILL_MODES, default="auto", help=prefill_help)
     p.add_argument("--memory", type=byte_size, help="memory budget: bytes or e.g. 8G (default: the profile's)")
     p.add_argument("--threads", type=int, help="CPU threads")

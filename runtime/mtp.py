@@ -10,15 +10,16 @@ the trimmed head's subset of it (export/draft_vocab.py).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MTP_KIND as KIND
+from hybrid_npu.safe_files import inside
 
-from .eagle3 import DRAFT_WINDOW, SINGLE_THREAD_BELOW_BYTES, Eagle3Drafter, read_draft_vocab
+from .eagle3 import (DRAFT_WINDOW, FIX, SINGLE_THREAD_BELOW_BYTES, Eagle3Drafter, check_drafter_shapes,
+                     drafter_graph, read_draft_vocab)
 from .session_options import cpu_inference_session, session_options
 
 
@@ -32,7 +33,9 @@ class MtpDrafter(Eagle3Drafter):
         if not mf.exists():
             raise UserError(f"{self.path} is not an exported drafter (no {DRAFTER_MANIFEST}); "
                             "export it with: export-hybrid SOURCE OUT --drafter mtp")
-        self.manifest = json.loads(mf.read_text())
+        from .drafters import read_drafter_manifest
+
+        self.manifest = read_drafter_manifest(self.path)
         if self.manifest.get("format") != DRAFTER_FORMAT or self.manifest.get("kind") != KIND:
             raise UserError(f"{mf} is not an MTP drafter (format {self.manifest.get('format')!r}, kind "
                             f"{self.manifest.get('kind')!r}); re-export it with --drafter mtp")
@@ -47,8 +50,9 @@ class MtpDrafter(Eagle3Drafter):
         else:
             self.draft_to_target = read_draft_vocab(self.path, vocab)
         graphs = self.manifest["graphs"]
-        weights = (self.path / self.manifest["weights"]["file"]).stat().st_size
+        weights = inside(self.path, self.manifest["weights"]["file"], "weights file", FIX).stat().st_size
         opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)  # as eagle3.py
-        self.fc = cpu_inference_session(self.path / graphs["mtp_in"]["file"], opts)
-        self.step = cpu_inference_session(self.path / graphs["mtp"]["file"], opts)
+        self.fc = cpu_inference_session(drafter_graph(self.path, graphs["mtp_in"]["file"]), opts)
+        self.step = cpu_inference_session(drafter_graph(self.path, graphs["mtp"]["file"]), opts)
+        check_drafter_shapes(self.path, self.step, self.nkv, self.hd)
         self.reset()

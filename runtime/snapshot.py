@@ -30,6 +30,7 @@ import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import open_regular, safetensors_header
 
 from .atomic_io import write_atomically
 from .checkpoints import Checkpoint
@@ -131,25 +132,88 @@ def _expected_shapes(cfg: ModelConfig, position: int, n_checkpoints: int) -> dic
     return shapes
 
 
-def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    from safetensors import SafetensorError, safe_open
+HEADER_BYTES = 64 << 20  # the header holds the chat's messages too: a long conversation's text
+_DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
 
-    damaged = f"cannot load state {path}: not a readable safetensors file (truncated or damaged)"
+
+def _check_header(path: Path, header: dict, cfg: ModelConfig, model_hash: str,
+                  max_position: int | None) -> dict[str, str]:
+    """Every tensor's name, dtype and shape against this model and the memory plan, from the
+    header alone, so no tensor is read (or allocated) that the model could not take. Returns the
+    metadata; `header` keeps the tensors' entries."""
+    metadata = header.pop("__metadata__", None) or {}
+    _check_identity(path, metadata, model_hash)
     try:
-        with safe_open(str(path), framework="np") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, ValueError, TypeError, json.JSONDecodeError) as e:
-        raise UserError(f"{damaged}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
-                        f"save the state again") from None
+        position = int(metadata.get("position", ""))
+        if position < 0:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"cannot load state {path}: bad position {str(metadata.get('position'))[:40]!r} in its "
+                        "metadata; save the state again") from None
+    if max_position is not None and position > max_position:
+        raise UserError(f"cannot load state {path}: it holds {position} tokens of context, the memory plan allows "
+                        f"{max_position}; give the model more memory (--memory) or load a shorter conversation")
+    positions = _checkpoint_positions(path, metadata, position)
+    expected = _expected_shapes(cfg, position, len(positions))
+    foreign_first = sorted(set(header) - set(expected)) + sorted(expected)  # a stranger's tensor: the clearer sign
+    for name in foreign_first:
+        if name not in header:
+            raise UserError(f"cannot load state {path}: tensor {name} is missing (this model expects shape "
+                            f"{list(expected[name])}); load it with the model it was saved from")
+        info = header[name]
+        if name not in expected:
+            raise UserError(f"cannot load state {path}: tensor {name[:60]} has no place in this model "
+                            f"(expected none); load it with the model it was saved from")
+        want_dtype = "I64" if name == "tokens" else "F32"
+        if tuple(info["shape"]) != expected[name] or info["dtype"] != want_dtype:
+            raise UserError(f"cannot load state {path}: tensor {name} is {str(info['dtype'])[:8]} "
+                            f"{info['shape'][:6]}, this model expects {_DTYPES[want_dtype].name} "
+                            f"{list(expected[name])}; load it with the model it was saved from")
+        span = info["data_offsets"][1] - info["data_offsets"][0]
+        if span != int(np.prod(expected[name], dtype=np.int64)) * _DTYPES[want_dtype].itemsize:
+            raise UserError(f"cannot load state {path}: tensor {name}'s data is {span} bytes, not its shape's; "
+                            "save the state again")
+    return metadata
+
+
+def _check_identity(path: Path, metadata: dict, model_hash: str) -> None:
+    fmt = metadata.get("format")
+    if fmt not in READABLE_FORMATS:
+        what = f"format {fmt[:40]!r}" if fmt is not None else "no hybrid-npu format tag"
+        raise UserError(f"cannot load state {path}: {what}, expected {FORMAT!r}; "
+                        f"load a snapshot written by save_state of this hybrid-npu version")
+    saved_model = metadata.get("model", "")
+    if saved_model != model_hash:
+        raise UserError(f"cannot load state {path}: this snapshot belongs to another model ({saved_model[:12]}…, "
+                        f"this one is {model_hash[:12]}…); load it with the model it was saved from")
+
+
+def _read(path: Path, cfg: ModelConfig, model_hash: str,
+          max_position: int | None) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """One open of one file (what a concurrent save replaces is all seen or not at all): the header
+    is checked first (_check_header), then each tensor is read into an array of the checked size."""
+    fix = "save the state again"
+    try:
+        with open_regular(path, "the state", fix) as f:
+            size = os.fstat(f.fileno()).st_size
+            header, start = safetensors_header(f, size, HEADER_BYTES, f"cannot load state {path}", fix)
+            metadata = _check_header(path, header, cfg, model_hash, max_position)
+            tensors = {}
+            for name, info in header.items():
+                arr = np.empty(info["shape"], _DTYPES[info["dtype"]])
+                f.seek(start + info["data_offsets"][0])
+                if arr.nbytes and f.readinto(memoryview(arr.reshape(-1)).cast("B")) != arr.nbytes:
+                    raise UserError(f"cannot load state {path}: not a readable safetensors file (truncated "
+                                    f"or damaged); {fix}")
+                tensors[name] = arr
     except OSError as e:
         raise UserError(f"cannot load state {path}: {e.strerror or e}; check the file is readable") from None
     return metadata, tensors
 
 
-def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int) -> State:
+def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int, max_position: int | None = None) -> State:
     """Read a snapshot saved by save_state for the model `model_hash`; refuses anything else."""
-    return read_snapshot(path, cfg, model_hash, capacity)[0]
+    return read_snapshot(path, cfg, model_hash, capacity, max_position)[0]
 
 
 def _checkpoint_positions(path: Path, metadata: dict, position: int) -> list[int]:
@@ -163,11 +227,12 @@ def _checkpoint_positions(path: Path, metadata: dict, position: int) -> list[int
     return positions
 
 
-def read_snapshot(path, cfg: ModelConfig, model_hash: str,
-                  capacity: int) -> tuple[State, dict[str, str], list[Checkpoint]]:
+def read_snapshot(path, cfg: ModelConfig, model_hash: str, capacity: int,
+                  max_position: int | None = None) -> tuple[State, dict[str, str], list[Checkpoint]]:
     """The State, the extra metadata (save_state's `extra`) and the turn checkpoints of one
     snapshot, from one read of one file: what a concurrent save replaces is either all seen or not
-    at all."""
+    at all. max_position: the most context the memory plan allows (a longer snapshot is refused
+    before its tensors are read)."""
     path = Path(path)
     try:
         if path.is_dir():
@@ -176,18 +241,8 @@ def read_snapshot(path, cfg: ModelConfig, model_hash: str,
             raise UserError(f"cannot load state {path}: no such file; give the path save_state wrote")
     except OSError as e:  # e.g. a name too long for the filesystem
         raise UserError(f"cannot load state {str(path)[:60]}…: {e.strerror or e}; give the path save_state wrote") from None
-    metadata, tensors = _read(path)
+    metadata, tensors = _read(path, cfg, model_hash, max_position)
     extra = {k: v for k, v in metadata.items() if k not in RESERVED_KEYS}
-
-    fmt = metadata.get("format")
-    if fmt not in READABLE_FORMATS:
-        what = f"format {fmt!r}" if fmt is not None else "no hybrid-npu format tag"
-        raise UserError(f"cannot load state {path}: {what}, expected {FORMAT!r}; "
-                        f"load a snapshot written by save_state of this hybrid-npu version")
-    saved_model = metadata.get("model", "")
-    if saved_model != model_hash:
-        raise UserError(f"cannot load state {path}: this snapshot belongs to another model ({saved_model[:12]}…, "
-                        f"this one is {model_hash[:12]}…); load it with the model it was saved from")
     if metadata.get("checksum") != checksum(tensors, hashed_metadata(metadata)):
         raise UserError(f"cannot load state {path}: altered or damaged: checksum mismatch; "
                         f"save the state again or use an intact copy")

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from hybrid_npu.cli_common import OneLineParser, human_bytes, report, stdout_closed
+from hybrid_npu.cli_common import OneLineParser, human_bytes, path_arg, report, stdout_closed
 from hybrid_npu.errors import UserError
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
@@ -31,8 +31,8 @@ INSTRUCTION = "Summarize the following document.\n\n"
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="npu-summarize", description="Summarize a .txt, .md or .pdf document offline with "
                       "an exported hybrid model: summary on stdout, progress on stderr.")
-    p.add_argument("file", help="the document (.pdf needs: pip install hybrid-npu[pdf])")
-    p.add_argument("--model", help="an export-hybrid output directory (default: the embedded model)")
+    p.add_argument("file", type=path_arg, help="the document (.pdf needs: pip install hybrid-npu[pdf])")
+    p.add_argument("--model", type=path_arg, help="an export-hybrid output directory (default: the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest summary in tokens (default: 256)")
     p.add_argument("--seed", type=int, help="sampling seed")
     add_engine_arguments(p, "where the document is prefilled")

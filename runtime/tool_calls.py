@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import check_names, read_json, short
 
 _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
@@ -44,15 +45,15 @@ def check_tools(tools, origin: str = "tools") -> list[dict]:
     return tools
 
 
+TOOLS_BYTES = 1 << 20  # a tools file: function specs, a few KB each
+
+
 def read_tools(path) -> list[dict]:
+    """--tools FILE: a regular file of at most TOOLS_BYTES, JSON nested at most JSON_DEPTH deep."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"--tools {path}: no such file; give a JSON file with a list of function specs") from None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"--tools {path}: not valid JSON ({e}); give a JSON list of function specs") from None
-    return check_tools(data, f"--tools {path}")
+    check_names(path, "--tools")
+    data = read_json(path, TOOLS_BYTES, "--tools file", "give a JSON file with a list of function specs")
+    return check_tools(data, f"--tools {short(path)}")
 
 
 def _string_params(tools: list[dict] | None, name: str) -> set[str]:

@@ -37,7 +37,6 @@ def _build(tmp_path_factory, name, writer, **kw):
 def pytest_configure(config):
     config.addinivalue_line("markers", "verify_in_background: rounds wait for nothing; a fresh engine "
                             "decodes plainly while its verify session is still opening (the product's behaviour)")
-    config.addinivalue_line("markers", "slow: takes more than a few seconds (deselect with -m 'not slow')")
 
 
 @pytest.fixture(autouse=True)

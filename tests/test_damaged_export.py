@@ -143,7 +143,7 @@ def test_flipped_weight_bytes_are_caught_before_any_text(export_copy, text_tied)
 def test_hash_is_checked_once_then_again_after_any_write(export_copy, monkeypatch):
     calls = []
     real = integrity.file_hash
-    monkeypatch.setattr(integrity, "file_hash", lambda p: calls.append(Path(p).name) or real(p))
+    monkeypatch.setattr(integrity, "file_hash", lambda p, *a: calls.append(Path(p).name) or real(p, *a))
     hybrid_npu.load(export_copy)
     assert "weights.bin" in calls  # first load of these files: hashed
     calls.clear()
@@ -161,7 +161,7 @@ def test_verify_always_ignores_the_cache(export_copy, monkeypatch):
     monkeypatch.setenv("HYBRID_NPU_VERIFY", "always")
     calls = []
     real = integrity.file_hash
-    monkeypatch.setattr(integrity, "file_hash", lambda p: calls.append(Path(p).name) or real(p))
+    monkeypatch.setattr(integrity, "file_hash", lambda p, *a: calls.append(Path(p).name) or real(p, *a))
     hybrid_npu.load(export_copy)
     assert "weights.bin" in calls
 

@@ -39,6 +39,9 @@ def load(path, profile: str = "cpu", prefill: str = "auto", threads: int | None 
     from hybrid_npu.errors import UserError
     from hybrid_npu.runtime.engine import Engine
 
+    from hybrid_npu.safe_files import check_names
+
+    check_names(path, "model path")
     extra = {} if checkpoints is None else {"checkpoints": checkpoints}
     try:
         return Engine(path, profile=profile, prefill=prefill, threads=threads, memory=memory, drafter=drafter, **extra)

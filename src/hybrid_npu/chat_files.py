@@ -11,22 +11,22 @@ Template precedence is transformers 5's: a chat_template.jinja file beats tokeni
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hybrid_npu.errors import UserError
+from hybrid_npu.safe_files import CONFIG_BYTES, TOKENIZER_BYTES, read_json as _read_json, read_text
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 
 
 def read_json(file: Path, what: str):
-    """A JSON file of the checkpoint, or a one-line error naming it; None when absent."""
-    if not file.exists():
+    """A JSON file of the checkpoint (a bounded regular file), or a one-line error naming it; None
+    when absent. tokenizer.json is large and shallow; the rest small."""
+    if not file.exists() and not file.is_symlink():
         return None
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{file}: {what} is not valid JSON ({e}); fix or remove the file") from None
+    big = file.name == "tokenizer.json"
+    return _read_json(file, TOKENIZER_BYTES if big else CONFIG_BYTES, what, "fix or remove the file",
+                      max_depth=None if big else 64)
 
 
 def _as_dict(value, file: Path) -> dict:
@@ -93,7 +93,7 @@ def chat_template(path: Path) -> tuple[str | None, str | None]:
     """(template source, the file it came from), by transformers 5's precedence; (None, None): none."""
     jinja = path / "chat_template.jinja"
     if jinja.exists():
-        return jinja.read_text(encoding="utf-8"), jinja.name
+        return read_text(jinja, CONFIG_BYTES, "the chat template", "fix or remove the file"), jinja.name
     for name in ("tokenizer_config.json", "chat_template.json"):
         data = read_json(path / name, name)
         source = _pick(data.get("chat_template")) if isinstance(data, dict) else None

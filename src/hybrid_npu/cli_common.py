@@ -48,6 +48,20 @@ def byte_size(text: str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+def path_arg(text: str) -> str:
+    """argparse type for a file or folder path: a name longer than the filesystem allows is one
+    line here, not an ENAMETOOLONG traceback wherever the path is first used."""
+    from hybrid_npu.safe_files import MAX_NAME
+
+    longest = max((len(part) for part in re.split(r"[\\/]", text)), default=0)
+    if longest > MAX_NAME:
+        raise argparse.ArgumentTypeError(f"a name in this path is {longest} characters, the limit is {MAX_NAME}; "
+                                         "give a shorter path")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError("a path cannot hold a NUL character")
+    return text
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB': sizes as the CLIs print them (binary units, like byte_size reads them)."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -27,4 +27,7 @@ VERIFY_ANY_COUNT = "any_count"
 
 def manifest_hash(path) -> str:
     """sha256 of an export's model.json: identifies the exported model a state belongs to."""
-    return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
+    from hybrid_npu.safe_files import CONFIG_BYTES, read_bytes
+
+    data = read_bytes(Path(path) / MANIFEST, CONFIG_BYTES, "the manifest", "re-export the model with export-hybrid")
+    return hashlib.sha256(data).hexdigest()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -28,19 +29,29 @@ from typing import Iterable
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
+from hybrid_npu.safe_files import inside, open_regular, read_json
 
 ALGORITHM = "sha256"
 _BLOCK = 1 << 20
+_FIX = "copy the export again or re-export it"
 _CACHE_ENTRIES = 512
+_CACHE_BYTES = 1 << 20  # 512 keys of ~120 characters
 SKIP = {MANIFEST, ".hybrid-npu-partial"}  # the manifest holds the record; the partial marker is removed
 CONTEXT_DIR = "ctx"  # export/context_binaries.py writes QNN context binaries under ctx/PROFILE/
 
 
-def file_hash(path: Path) -> str:
+def file_hash(path: Path, limit: int | None = None) -> str:
+    """The file's digest; with `limit`, of at most that many bytes (a verify reads no more than the
+    size the manifest records, whatever the file turns out to be)."""
     h = hashlib.new(ALGORITHM)
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
+    left = limit
+    with (open(path, "rb") if limit is None else open_regular(path, "an export file", _FIX)) as f:
+        while left is None or left > 0:
+            block = f.read(_BLOCK if left is None else min(_BLOCK, left))
+            if not block:
+                break
             h.update(block)
+            left = None if left is None else left - len(block)
     return h.hexdigest()
 
 
@@ -78,7 +89,9 @@ def verify(root: Path, manifest: dict, npu_profile: str | None = None) -> list[s
         is_context = rel.startswith(CONTEXT_DIR + "/")
         if is_context and not (contexts and rel.startswith(contexts)):
             continue
-        path = root / rel
+        path = inside(root, rel, "integrity entry", _FIX)  # an oracle for any file's content otherwise
+        if not isinstance(want, dict) or type(want.get("bytes")) is not int or want["bytes"] < 0:
+            raise UserError(f"{root / MANIFEST}: the integrity entry of {rel} is damaged; {_FIX}")
         problem = _problem(path, rel, root, want, always)
         if problem and is_context:
             damaged.append(rel)
@@ -89,15 +102,18 @@ def verify(root: Path, manifest: dict, npu_profile: str | None = None) -> list[s
 
 def _problem(path: Path, rel: str, root: Path, want: dict, always: bool) -> str | None:
     try:
-        size = path.stat().st_size
+        st = os.stat(path)
     except OSError:
         return f"{root} is incomplete: {rel} is missing; copy the export again or re-export it"
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the hash, /dev/zero never end it
+        return f"{path} is not a regular file; {_FIX}"
+    size = st.st_size
     if size != want.get("bytes"):
         return (f"{path} is {size} bytes, the export wrote {want.get('bytes')}: the file is truncated "
                 "or damaged; copy the export again or re-export it")
     if not always and _known_good(path, want.get(ALGORITHM)):
         return None
-    if file_hash(path) != want.get(ALGORITHM):
+    if file_hash(path, size) != want.get(ALGORITHM):
         return (f"{path} does not match the {ALGORITHM} the export recorded: the file is damaged "
                 "(changed bytes); copy the export again or re-export it")
     _remember(path, want[ALGORITHM])
@@ -116,9 +132,10 @@ def _sizes_only(root: Path, manifest: dict) -> None:
     w = manifest.get("weights") or {}
     if "file" not in w:
         return
-    size, want = _size(root / w["file"], w["file"], root), w.get("bytes")
+    path = inside(root, w["file"], "weights file", _FIX)
+    size, want = _size(path, w["file"], root), w.get("bytes")
     if want is not None and size != want:
-        raise UserError(f"{root / w['file']} is {size} bytes, the export wrote {want}: the file is truncated or "
+        raise UserError(f"{path} is {size} bytes, the export wrote {want}: the file is truncated or "
                         "damaged; copy the export again or re-export it")
 
 
@@ -140,9 +157,9 @@ def _key(path: Path, digest: str) -> str:
 
 def _read_cache() -> list[str]:
     try:
-        keys = json.loads(cache_file().read_text())
+        keys = read_json(cache_file(), _CACHE_BYTES, "the verified-file cache", "")
         return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-    except (OSError, ValueError):
+    except (OSError, UserError):  # absent, damaged or not a file: hash again
         return []
 
 

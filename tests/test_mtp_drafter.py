@@ -188,7 +188,7 @@ def tiny_vocab_mtp(tmp_path_factory):
 def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_vocab_mtp, temperature, top_p):
     """First two generated tokens over 20,000 seeded runs against the exact plain joint distribution:
     for each first token the MTP head drafts its top-3 tree (depth 2) after it, the target verifies
-    it once, and the runs exercise multi-candidate rejection on those trees."""
+    it once, and the runs exercise the seeded verify on those trees."""
     engine = hybrid_npu.load(tiny_vocab_mtp)
     logits0 = engine.prefill_logits([3, 7, 2, 9, 4])
     catch_up_drafter(engine)  # the prompt's pairs wait for the drafter's next use: here

@@ -211,7 +211,7 @@ def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shard_names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (ValueError, KeyError):
             raise UserError(f"{index}: not a valid safetensors index (no weight_map)") from None
         missing = [s for s in shard_names if not (path / s).exists()]
@@ -286,7 +286,7 @@ def read_config_json(path: Path, what: str, kind: str) -> dict:
     if not cfg_file.exists():
         raise UserError(f"{path} has no config.json; pass {kind} directory")
     try:
-        return json.loads(cfg_file.read_text())
+        return json.loads(cfg_file.read_text(encoding="utf-8"))
     except ValueError as e:
         raise UserError(f"{cfg_file}: invalid JSON ({e})") from None
 

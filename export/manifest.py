@@ -23,7 +23,7 @@ def value_infos(values) -> list[dict]:
 
 def is_export(path: Path) -> bool:
     try:
-        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+        return json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == FORMAT
     except (OSError, ValueError):
         return False
 

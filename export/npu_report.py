@@ -24,7 +24,7 @@ def check_export(export_dir, profile, progress: Callable[[str], None] | None = N
     prof = load_profile(profile)
     if not prof.has_npu:
         raise UserError(f"profile {prof.name} has no NPU; choose an NPU profile such as snapdragon-x-elite")
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     prof = with_export_capacity(prof, manifest)
     try:
         files = npu_part_files(path, manifest, prof)

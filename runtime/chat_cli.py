@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser, report, stdout_closed
+from hybrid_npu.cli_common import OneLineParser, console_output, data_output, report, stdout_closed
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
 
@@ -56,7 +56,7 @@ def one_shot(conv, sampling, prompt: str, as_json: bool) -> None:
     reply = conv.reply(prompt, sampling, on_text=None if as_json else show)
     if as_json:
         print(json.dumps({"text": reply.text, "token_ids": reply.token_ids, "tool_calls": reply.tool_calls,
-                          "stats": reply.stats}))
+                          "stats": reply.stats}, ensure_ascii=False))
     else:
         print()
 
@@ -95,9 +95,10 @@ def main(argv=None) -> int:
         a = build_parser().parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    for stream in (sys.stdout, sys.stderr):  # a Windows pipe's code page cannot encode every reply
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="replace")
+    if a.prompt is not None:  # --json, --render-only or one reply: data, UTF-8 whatever the console
+        data_output()
+    else:
+        console_output("npu-chat")
     try:
         from .chat_repl import Repl, wrap_words
         from .conversation import Conversation, Sampling

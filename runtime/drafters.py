@@ -20,7 +20,7 @@ KINDS = (EAGLE3, MTP)
 
 
 def drafter_kind(d: Path) -> str:
-    return json.loads((d / DRAFTER_MANIFEST).read_text()).get("kind", EAGLE3)
+    return json.loads((d / DRAFTER_MANIFEST).read_text(encoding="utf-8")).get("kind", EAGLE3)
 
 
 def choose_drafter_dir(export: Path, manifest: dict, choice):

@@ -32,7 +32,7 @@ class MtpDrafter(Eagle3Drafter):
         if not mf.exists():
             raise UserError(f"{self.path} is not an exported drafter (no {DRAFTER_MANIFEST}); "
                             "export it with: export-hybrid SOURCE OUT --drafter mtp")
-        self.manifest = json.loads(mf.read_text())
+        self.manifest = json.loads(mf.read_text(encoding="utf-8"))
         if self.manifest.get("format") != DRAFTER_FORMAT or self.manifest.get("kind") != KIND:
             raise UserError(f"{mf} is not an MTP drafter (format {self.manifest.get('format')!r}, kind "
                             f"{self.manifest.get('kind')!r}); re-export it with --drafter mtp")

@@ -140,7 +140,7 @@ def _key(path: Path, digest: str) -> str:
 
 def _read_cache() -> list[str]:
     try:
-        keys = json.loads(cache_file().read_text())
+        keys = json.loads(cache_file().read_text(encoding="utf-8"))
         return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
     except (OSError, ValueError):
         return []
@@ -161,7 +161,7 @@ def _write_cache(keys: Iterable[str]) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".verified-", dir=target.parent)  # unique: concurrent loads
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(list(keys)[-_CACHE_ENTRIES:], f)
         os.replace(tmp, target)
     except OSError:

@@ -202,6 +202,38 @@ def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_voca
     check_first_two(engine, logits0, temperature, top_p, draft)
 
 
+def test_seeded_replies_drafted_with_their_own_noise_have_the_plain_distribution(tiny_vocab_mtp):
+    """End to end through engine.generate: 1,200 seeded replies, each a round after its first token
+    whose chain the MTP head drafts with the reply's own noise (coupled drafting: the draft depends on
+    the seed), give the exact plain joint distribution of the first two tokens (chi-square), with
+    drafts really accepted."""
+    from sampled_check import chi_square_p
+
+    from hybrid_npu.runtime.sampling import filtered_probs
+
+    runs, prompt = 1200, [3, 7, 2, 9, 4]
+    engine = hybrid_npu.load(tiny_vocab_mtp)
+    p1 = filtered_probs(engine.prefill_logits(prompt), 1.0)
+    base, joint = copy.deepcopy(engine.state), np.zeros((V, V))
+    for y in range(V):
+        engine.state = copy.deepcopy(base)
+        joint[y] = p1[y] * filtered_probs(engine.decode(y), 1.0)
+    engine.adaptive, engine.draft_shape = False, {"top_k": 1, "depth": 3, "total_tokens": 3}
+    counts, accepted = np.zeros((V, V)), 0
+    for seed in range(runs):
+        first, second, _ = engine.generate(prompt, 3, temperature=1.0, seed=seed, stop_at_eos=False)
+        assert engine.last_stats["rounds"] >= 1  # the second token came from a round
+        counts[first, second] += 1
+        accepted += engine.last_stats["acceptance_length"] > 1
+    assert accepted > runs // 20
+    expected = joint.ravel() * runs
+    assert counts.ravel()[expected == 0].sum() == 0
+    stat, pvalue, bins = chi_square_p(counts.ravel(), expected)
+    print(f"\ncoupled chains: chi-square {stat:.1f} over {bins} bins, p = {pvalue:.3f}, "
+          f"a draft accepted in {accepted / runs:.0%} of replies")
+    assert pvalue > 0.001
+
+
 # ---------------------------------------------------------------- bad input
 def test_a_checkpoint_without_an_mtp_head_is_refused_in_one_line(text_tied, tmp_path, capsys):
     assert export_main([str(text_tied.src), str(tmp_path / "out"), "--drafter", "mtp", "--no-parity"]) == 2

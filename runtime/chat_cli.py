@@ -20,7 +20,8 @@ def build_parser() -> OneLineParser:
     add_engine_arguments(p, "where prompts are prefilled")
     p.add_argument("--top-p", type=float, help="nucleus sampling (default: the model's generation_config, else 1)")
     p.add_argument("--top-k", type=int, help="0 = off (default: the model's generation_config, else off)")
-    p.add_argument("--seed", type=int, help="sampling seed (each reply starts from it)")
+    p.add_argument("--seed", type=int, help="sampling seed: the same context, settings and seed give the same reply, "
+                                            "speculating or not (docs/reproducibility.md)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens (default: 512)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end of turn (benchmarks)")
     p.add_argument("--system", help="system prompt (\"\" keeps an empty one; omit it for none)")

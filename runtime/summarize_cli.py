@@ -34,7 +34,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("file", help="the document (.pdf needs: pip install hybrid-npu[pdf])")
     p.add_argument("--model", help="an export-hybrid output directory (default: the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest summary in tokens (default: 256)")
-    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--seed", type=int, help="sampling seed: the same document, settings and seed give the same summary")
     add_engine_arguments(p, "where the document is prefilled")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {text, token_ids, document_tokens, stats}, no progress bar")

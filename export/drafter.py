@@ -476,5 +476,5 @@ def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32", quant: Q
         "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
         "vocab": {**write_draft_vocab(out, ck.draft_to_target), "target_vocab_size": c.vocab_size},
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return manifest

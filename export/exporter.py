@@ -154,7 +154,7 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
             manifest["drafters"] = {kind: entry["dir"] for kind, entry in shipped.items()}
         say("hashing the written files (integrity)")
         manifest["integrity"] = integrity.record(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         if check is not None:
             say("checking parity against the source")
             check(tmp, manifest)
@@ -341,5 +341,5 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
                       "stop_token_ids": list(cfg.eos_token_ids), "stop_token_sources": stop_sources},
         "generation": chat_files.sampling_defaults(tmp),  # the chat defaults (generation_config.json)
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return manifest

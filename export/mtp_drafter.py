@@ -236,5 +236,5 @@ def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> d
     }
     if ck.draft_ids is not None:  # the same record as an EAGLE-3 drafter's own vocabulary
         manifest["vocab"] = write_draft_vocab(out, ck.draft_ids)
-    (out / DRAFTER_MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (out / DRAFTER_MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return manifest

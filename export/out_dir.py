@@ -115,7 +115,7 @@ def _marker() -> dict:
 def _stale(partial: Path) -> bool:
     """True for a partial export of ours whose builder process no longer runs on this host."""
     try:
-        m = json.loads((partial / PARTIAL_MARKER).read_text())
+        m = json.loads((partial / PARTIAL_MARKER).read_text(encoding="utf-8"))
         if m.get("kind") != _MARKER_KIND or m.get("host") != socket.gethostname():
             return False  # not ours, or another machine's (a shared disk): we cannot tell if it runs
         pid, started = int(m["pid"]), float(m["create_time"])
@@ -152,7 +152,7 @@ def make_partial(out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     as_user_would_create(tmp, directory=True)  # mkdtemp's 0700 would stay on the renamed export
     try:
-        (tmp / PARTIAL_MARKER).write_text(json.dumps(_marker()))
+        (tmp / PARTIAL_MARKER).write_text(json.dumps(_marker()), encoding="utf-8")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -50,6 +50,22 @@ def _file_rows(out: Path, manifest: dict) -> list[tuple[str, int, str]]:
     return rows
 
 
+_DTYPE_NAMES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
+
+
+def weights_note(cfg: ModelConfig, w: dict, dtype: str) -> tuple[int, str]:
+    """(the model's parameter count, how its weights are stored). A quantised export stores the
+    embedding table (fp16, only gathered) and, for a tied model, an int-N copy of it as the lm_head
+    (export/weights.py): the weights file holds both, the model has the table's parameters once."""
+    mode = w.get("mode", "float")
+    if mode == "float":
+        return w["params"], dtype
+    embedding = _DTYPE_NAMES.get(w.get("embedding_dtype", "float16"), w.get("embedding_dtype"))
+    head = f"int{w.get('head_bits', 8)} lm_head" + (" (a copy of the tied embedding)" if cfg.tie_word_embeddings else "")
+    params = w["params"] - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
+    return params, f"{mode} linear layers, {head}, {embedding} embedding, {dtype} rest"
+
+
 def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list[str]:
     """memory_budget: bytes for weights + state + K/V (default: available memory now minus the
     runtime's 1 GiB margin, as hybrid_npu.load plans it)."""
@@ -62,8 +78,7 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
     lines += [f"  {f:<{width}}  {human(size):>10}  {note}".rstrip() for f, size, note in rows]
     total, _ = _tree_size(out)
     w = manifest["weights"]
-    mode = w.get("mode", "float")
-    kind = manifest["dtype"] if mode == "float" else f"{mode}, {manifest['dtype']} rest"
+    params, kind = weights_note(cfg, w, manifest["dtype"])
     sessions = len({cpu_graph(manifest["graphs"], step) for step in ("prefill", "decode")})  # the engine's at load
     plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=sessions), int(manifest["chunk"]), memory_budget,
                        DEFAULT_MAX_CHECKPOINTS)
@@ -78,7 +93,7 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
         held = f"; {human(plan.budget_bytes)} ({where}) would hold {fits:,}" if fits is not None else ""
         context = f"{cfg.max_position_embeddings:,} tokens (the model's max_position_embeddings{held})"
     facts = [("on disk", human(total)),
-             ("weights", f"{human(w['bytes'])} ({w['params']:,} params, {kind})"),
+             ("weights", f"{human(w['bytes'])} ({params:,} params, {kind})"),
              ("state", f"{human(cfg.state_bytes())} fixed ({gdn} GDN layers)"),
              ("K/V", f"{cfg.kv_bytes_per_token():,} B per token ({len(cfg.full_layers)} attention layers)"),
              ("max context", context)]

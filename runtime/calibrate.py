@@ -1,7 +1,9 @@
 """npu-bench calibrate: measure where the NPU prefill starts to beat the CPU on this machine and
 write that threshold into a user profile (docs/profiles.md: the shipped thresholds are seeds).
 
-    npu-bench calibrate --profile snapdragon-x-elite --model EXPORT [--lengths 128,512,2048] [--json]
+    npu-bench calibrate --profile snapdragon-x-elite [--model EXPORT] [--lengths 128,512,2048] [--json]
+
+--model defaults to the embedded model, as npu-chat's and npu-summarize's do.
 
 Prefill tokens/s is measured on the CPU and, when a QNN device is here, on the NPU at each
 length; decode tokens/s on the CPU. The threshold is the shortest measured length from which the
@@ -28,11 +30,12 @@ def _prefill_rate(engine, ids) -> float:
     return len(ids) / (time.perf_counter() - t0)
 
 
-def calibrate(model: str, profile: str, lengths: list[int], decode_steps: int = 16, write: bool = True) -> dict:
+def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps: int = 16, write: bool = True) -> dict:
     import hybrid_npu
     from hybrid_npu.profiles.loader import load_profile, write_user_profile
 
     prof = load_profile(profile)
+    model = hybrid_npu.default_model() if model is None else model
     cpu = hybrid_npu.load(model, profile=prof.source, prefill="cpu")
     rng = np.random.default_rng(0)
     vocab = min(cpu.config.vocab_size, 1000)
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("calibrate", help="measure CPU vs NPU prefill and CPU decode; write the NPU threshold")
     c.add_argument("--profile", required=True, type=path_arg, help="device profile name or TOML path")
-    c.add_argument("--model", required=True, type=path_arg, help="an export-hybrid output directory to measure with")
+    c.add_argument("--model", type=path_arg, help="an export-hybrid output directory to measure with (default: the embedded model)")
     c.add_argument("--lengths", default="128,512,2048", help="comma-separated prompt lengths")
     c.add_argument("--no-write", action="store_true", help="measure only; leave the user profile alone")
     c.add_argument("--json", action="store_true")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid_npu.cli_common import OneLineParser, path_arg, report, stdout_closed
+from hybrid_npu.cli_common import OneLineParser, console_output, data_output, path_arg, report, stdout_closed
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
 
@@ -20,7 +20,8 @@ def build_parser() -> OneLineParser:
     add_engine_arguments(p, "where prompts are prefilled")
     p.add_argument("--top-p", type=float, help="nucleus sampling (default: the model's generation_config, else 1)")
     p.add_argument("--top-k", type=int, help="0 = off (default: the model's generation_config, else off)")
-    p.add_argument("--seed", type=int, help="sampling seed (each reply starts from it)")
+    p.add_argument("--seed", type=int, help="sampling seed: the same context, settings and seed give the same reply, "
+                                            "speculating or not (docs/reproducibility.md)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens (default: 512)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end of turn (benchmarks)")
     p.add_argument("--system", help="system prompt (\"\" keeps an empty one; omit it for none)")
@@ -56,7 +57,7 @@ def one_shot(conv, sampling, prompt: str, as_json: bool) -> None:
     reply = conv.reply(prompt, sampling, on_text=None if as_json else show)
     if as_json:
         print(json.dumps({"text": reply.text, "token_ids": reply.token_ids, "tool_calls": reply.tool_calls,
-                          "stats": reply.stats}))
+                          "stats": reply.stats}, ensure_ascii=False))
     else:
         print()
 
@@ -105,9 +106,10 @@ def main(argv=None) -> int:
         a = build_parser().parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    for stream in (sys.stdout, sys.stderr):  # a Windows pipe's code page cannot encode every reply
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="replace")
+    if a.prompt is not None:  # --json, --render-only or one reply: data, UTF-8 whatever the console
+        data_output()
+    else:
+        console_output("npu-chat")
     try:
         from .chat_repl import Repl, wrap_words
         from .conversation import Conversation, Sampling

@@ -9,7 +9,7 @@ import sys
 import textwrap
 import threading
 
-from hybrid_npu.cli_common import report
+from hybrid_npu.cli_common import note_unshowable, report
 from hybrid_npu.errors import UserError
 
 from .conversation import Conversation, Reply, Sampling
@@ -161,6 +161,7 @@ class Repl:
         self.show = (lambda t: t.translate(_CONTROLS)) if self.out.isatty() else (lambda t: t)
 
     def say(self, text: str = "", end: str = "\n") -> None:
+        note_unshowable(text, self.out)
         self.out.write(text + end)
         self.out.flush()
 

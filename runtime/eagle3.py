@@ -99,6 +99,8 @@ def check_drafter_shapes(path: Path, session, nkv: int, hd: int) -> None:
 
 
 class Eagle3Drafter:
+    picks = True  # propose takes pick= (generation.drafting_with)
+
     def __init__(self, drafter_dir, threads: int | None = None, window: int | None = DRAFT_WINDOW):
         self.path = Path(drafter_dir)
         self.window = window  # None: every stable row
@@ -240,14 +242,17 @@ class Eagle3Drafter:
         return found if guesses else None
 
     # ---------------------------------------------------------------- tree
-    def propose(self, root_token: int, top_k: int, depth: int, total_tokens: int) -> tuple[list[int], list[int]]:
+    def propose(self, root_token: int, top_k: int, depth: int, total_tokens: int, pick=None) -> tuple[list[int], list[int]]:
         """EAGLE-2 dynamic tree under `root_token` (the last observed token), docs/eagle3-drafter.md
 
         Level 1 = top_k of the root's draft distribution; each of depth-1 drafter calls expands the
         top_k frontier (beam by cumulative log-prob) into top_k children each; the tree is the best
         `total_tokens` of all candidates by cumulative log-prob. Returns (target token ids, parent
         indices into the same list, -1 = the root), parents before children; depth counts levels
-        (the reference's depth + 1). The stable K/V is untouched."""
+        (the reference's depth + 1). The stable K/V is untouched.
+        pick(level, logits, draft_to_target) -> draft id: how a chain (top_k 1) picks each level's
+        token (default: the argmax; a sampled reply's Gumbel-max, generation.drafting_with); a
+        tree's beams are the top-k either way."""
         if self._logits is None:
             raise ValueError("propose before observe: the drafter has no context")
         if int(root_token) != self._last_token:
@@ -255,7 +260,7 @@ class Eagle3Drafter:
         if depth < 1 or total_tokens < 1 or top_k < 1:
             return [], []
         if top_k == 1:
-            return self._propose_chain(min(depth, total_tokens))
+            return self._propose_chain(min(depth, total_tokens), pick)
         return self._propose_tree(top_k, depth, total_tokens)
 
     def _propose_tree(self, top_k: int, depth: int, total_tokens: int) -> tuple[list[int], list[int]]:
@@ -296,8 +301,8 @@ class Eagle3Drafter:
         out_parents = [-1 if all_parents[g] < 0 else where[int(all_parents[g])] for g in chosen]
         return [int(t) for t in self.draft_to_target[all_tokens[chosen]]], out_parents
 
-    def _propose_chain(self, length: int) -> tuple[list[int], list[int]]:
-        """propose at top_k 1: the tree is the greedy chain, each level's argmax (the first of equal
+    def _propose_chain(self, length: int, pick=None) -> tuple[list[int], list[int]]:
+        """propose at top_k 1: the tree is a chain, each level's pick (default the argmax, the first of equal
         scores, as top_k_stable picks), every row before it visible. The same tokens without the
         beam bookkeeping (log-softmax, partitions, candidate arrays), which cost about as much
         host time as the drafter's own calls (embedded drafter: ~1 of 2.2 ms a 6-level draft).
@@ -306,7 +311,8 @@ class Eagle3Drafter:
         rope_tables call. Built again each level (with a copy of the window, up to 512 rows), the
         embedded drafter's depth-14 chain took 3.87 ms against 2.85 after 40 tokens, and 6.71 against
         5.14 after 1,500 (docs/speculation.md)."""
-        token = int(np.argmax(self._logits))
+        pick = pick or (lambda level, logits, ids: int(np.argmax(logits)))
+        token = pick(1, self._logits, self.draft_to_target)
         tokens, hidden = [token], self._hidden[None]
         base, lo = self.length, self._first_row()
         self._ensure(base + length - 1)
@@ -323,6 +329,6 @@ class Eagle3Drafter:
             self.key[:, at: at + 1], self.value[:, at: at + 1] = out["new_key"], out["new_value"]
             past[0][:, rows + level: rows + level + 1] = out["new_key"]
             past[1][:, rows + level: rows + level + 1] = out["new_value"]
-            token, hidden = int(np.argmax(out["logits"][0])), out["hidden"][:1]
+            token, hidden = pick(level + 2, out["logits"][0], self.draft_to_target), out["hidden"][:1]
             tokens.append(token)
         return [int(t) for t in self.draft_to_target[tokens]], [-1] + list(range(length - 1))

@@ -4,8 +4,9 @@ them where the policy (spec_policy.py) says a round does not pay. Engine.generat
 `stream`; a caller that wants tokens as they come iterates it (as mlx-lm's stream_generate).
 
 The output is the target's whatever the steps are (docs/speculation.md): a plain step emits the
-sampler's choice from the target's logits, a round the target's argmax path (greedy) or tokens
-each distributed as the target's conditional (sampled, speculative.accept_sampled).
+sampler's choice from the target's logits, a round the target's argmax path (greedy) or the very
+tokens plain sampling would choose (sampled: the choice is keyed by seed and position,
+speculative.accept_sampled, docs/reproducibility.md).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
     limit = min(max_new_tokens, engine._room())  # the memory plan bounds decode and speculation too
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
-    new = [sampler.choose(logits)]
+    new = [sampler.choose(logits, engine.state.position)]  # a token's position: the tokens before it
     engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
     steps_s = engine.spec_stats["plain_step_s"] = []  # each plain step's decode and choice
     if engine.drafter is not None and engine._tap_pending is not None:
@@ -84,7 +85,7 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
                     policy.record_guess_cost(time.perf_counter() - t)
             else:
                 t = time.perf_counter()
-                emitted = [sampler.choose(engine._step("decode", [new[-1]]))]
+                emitted = [sampler.choose(engine._step("decode", [new[-1]]), engine.state.position)]
                 steps_s.append(time.perf_counter() - t)
             new.extend(emitted)  # in the context now, whether or not the caller takes them all
             yield from emitted
@@ -146,7 +147,7 @@ def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) 
     before the next round or when the policy's guesses are due (catch_up_drafter), not one call
     per plain token."""
     t0 = time.perf_counter()
-    nxt = sampler.choose(engine._step("decode", [token]))
+    nxt = sampler.choose(engine._step("decode", [token]), engine.state.position)
     seconds = time.perf_counter() - t0
     engine.spec_stats["plain_step_s"].append(seconds)
     if policy is not None and policy.times_plain():
@@ -184,6 +185,16 @@ def catch_up_drafter(engine, policy: SpecPolicy | None = None) -> None:
         policy.record_guesses([g == t for g, t in zip(before, tokens[n - len(before):])])
 
 
+def drafting_with(drafter, sampler: Sampler, root_position: int) -> dict:
+    """propose's `pick` for a sampled reply: the drafter picks each level's token by the sampler's own
+    Gumbel-max noise for that position (Sampler.draft_choice), so its chain agrees with what the
+    target will sample as often as the two distributions allow (docs/reproducibility.md). Empty
+    for greedy replies and for drafters that take no `pick` (any object with propose)."""
+    if sampler.greedy or not getattr(drafter, "picks", False):
+        return {}
+    return {"pick": lambda level, logits, ids: sampler.draft_choice(logits, root_position + level, ids)}
+
+
 def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: Sampler, depth: int | None = None,
                       policy: SpecPolicy | None = None) -> list[int]:
     """Draft a tree of `depth` levels (default: the draft shape's) under `root`, verify it in one
@@ -194,11 +205,13 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     tc = time.perf_counter()
     catch_up_drafter(engine, policy)
     t0 = time.perf_counter()
-    draft_tokens, draft_parents = engine.drafter.propose(root, **dict(engine.draft_shape, depth=depth))
+    state = engine.state
+    draft_tokens, draft_parents = engine.drafter.propose(root, **dict(engine.draft_shape, depth=depth),
+                                                         **drafting_with(engine.drafter, sampler, state.position))
     tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
     t1 = time.perf_counter()
     engine._check_fits(n)
-    state, t_max = engine.state, engine.profile.attention_capacity
+    t_max = engine.profile.attention_capacity
     on_npu = device == NPU_DEVICE
     if on_npu and state.capacity != t_max:
         state.resize(t_max)  # the NPU graphs read exactly T_max rows; kept for the next rounds
@@ -207,8 +220,7 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     if sampler.greedy:
         path, bonus = accept_greedy(out["logits"], tree, n_real)
     else:
-        path, bonus = accept_sampled(out["logits"], tree, n_real, sampler.temperature, sampler.top_k,
-                                     sampler.top_p, sampler.rng)
+        path, bonus = accept_sampled(out["logits"], tree, n_real, sampler, state.position)
     accepted_drafts = len(path) - 1
     emitted = [tree.tokens[j] for j in path[1:]] + [bonus]
     if stop_at_eos:  # nothing after an end-of-sequence token

@@ -67,8 +67,10 @@ def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill
                 problem = f"{ctx['files'][i]} did not load ({str(e).splitlines()[0][:120]})"
                 print(f"hybrid-npu: QNN context binary unusable: {problem}; compiling from the ONNX graphs",
                       file=sys.stderr)
-        elif problem != "none" and i == 0:
-            print(f"hybrid-npu: QNN context binaries {problem}; compiling from the ONNX graphs", file=sys.stderr)
+        elif i == 0:  # a compile takes minutes with no other sign of life: say what it is, and that it is once
+            why = "no QNN context binaries for this profile" if problem == "none" else f"QNN context binaries {problem}"
+            print(f"hybrid-npu: {why}; compiling from the ONNX graphs for the NPU ({graph}, a minute or two; "
+                  "once per run: the engine keeps it)", file=sys.stderr, flush=True)
         if session is None:
             t_max = profile.attention_capacity
             so = qnn_session_options(options, {PAST_DIM: t_max, MASK_DIM: t_max + n})

@@ -1,4 +1,5 @@
-"""Token choice from logits: greedy, or temperature → top-k → top-p (transformers' order)."""
+"""Token choice from logits: greedy, or temperature → top-k → top-p (transformers' order), sampled
+by a Gumbel-max keyed by (seed, position) (docs/reproducibility.md)."""
 from __future__ import annotations
 
 import math
@@ -59,13 +60,6 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
     return p
 
 
-def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    if temperature <= 0.0:
-        return int(np.argmax(logits))
-    p = filtered_probs(logits, temperature, top_k, top_p)
-    return int(rng.choice(p.size, p=p))
-
-
 def model_defaults(generation: dict) -> dict:
     """temperature/top_k/top_p when the caller gives none, from the model's generation_config
     (as recorded in the manifest): greedy unless it says do_sample, as transformers generates."""
@@ -74,18 +68,31 @@ def model_defaults(generation: dict) -> dict:
             "top_k": int(generation.get("top_k", 0)), "top_p": float(generation.get("top_p", 1.0))}
 
 
+# How many positions' noise a Sampler keeps: a speculative round draws each drafted position's noise
+# while drafting and reads it again while verifying (a chain is at most a few dozen levels deep).
+NOISE_KEPT = 64
+
+
 @dataclass
 class Sampler:
-    """How tokens are chosen from logits: temperature (0 = greedy), top_k (0 = off), top_p, and the
-    random generator seeded once per generation (plain steps and speculative rounds draw from it)."""
+    """How tokens are chosen from logits: temperature (0 = greedy), top_k (0 = off), top_p, seed.
+
+    A sampled token is the Gumbel-max choice argmax_x p(x) / E_x over the filtered distribution p,
+    with E_x ~ Exp(1) drawn for the token's absolute position in the context (the number of tokens
+    before it: prompt, earlier turns and reply) from a Philox stream keyed by (seed, position) —
+    docs/reproducibility.md. So the token at a position is a function of its logits and
+    (seed, position) alone, whichever way it was reached: a plain step, or a speculative round
+    that verifies a draft by checking each drafted token is that choice. Without a seed the key is
+    fresh entropy, drawn once per Sampler."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    rng: np.random.Generator = field(init=False, repr=False)
+    key: int = field(init=False, repr=False)
+    _noise: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
-        self.rng = np.random.default_rng(self.seed)
+        self.key = int(np.random.SeedSequence().entropy) if self.seed is None else int(self.seed)
 
     @classmethod
     def from_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None, seed=None) -> "Sampler":
@@ -100,6 +107,30 @@ class Sampler:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def choose(self, logits: np.ndarray) -> int:
-        return choose(logits, self.temperature, self.top_k, self.top_p, self.rng)
+    def noise(self, position: int, size: int) -> np.ndarray:
+        """E ~ Exp(1) for token ids 0..size-1 at `position`: -log(1 - U), U uniform doubles from Philox
+        keyed by SeedSequence([key, position]) (a stream whose first n numbers do not depend on how
+        many are drawn, so a drafter's smaller vocabulary reads the same numbers)."""
+        e = self._noise.get(position)
+        if e is None or len(e) < size:
+            rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self.key, int(position)])))
+            e = self._noise[position] = -np.log1p(-rng.random(size))
+            if len(self._noise) > NOISE_KEPT:
+                del self._noise[min(self._noise)]
+        return e[:size]
 
+    def choose(self, logits: np.ndarray, position: int) -> int:
+        """The token at `position` given the target's logits there."""
+        if self.greedy:
+            return int(np.argmax(logits))
+        p = filtered_probs(logits, self.temperature, self.top_k, self.top_p)
+        return int(np.argmax(p / self.noise(position, p.size)))  # argmax log p + Gumbel
+
+    def draft_choice(self, logits: np.ndarray, position: int, target_ids: np.ndarray) -> int:
+        """A drafter's pick at `position` from its own logits over `target_ids`: the same Gumbel-max
+        with the same noise, so it agrees with the target's choice as often as the two distributions
+        allow (coupled drafting, Daliri, Musco and Suresh 2024); an index into logits. Greedy: argmax."""
+        if self.greedy:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / self.temperature
+        return int(np.argmax(z - np.log(self.noise(position, int(target_ids.max()) + 1)[target_ids])))

@@ -67,6 +67,11 @@ def check_args(a) -> None:
     check_threads(a.threads)
 
 
+def base_url(host: str, port: int) -> str:
+    """The API's address as a client takes it: an IPv6 host in brackets (RFC 3986), http://[::1]:8000/v1."""
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
 def _check_port(host: str, port: int) -> None:
     """Say in one line that the address is taken, before the model loads."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
         limit = a.max_request_bytes or default_max_request_bytes(engine.memory.max_context)
         app = create_app(service, a.api_key, a.cors_origin, a.host, a.allowed_host, limit)
         drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
-        print(f"npu-serve: {engine.path} as {service.model_id!r} on http://{a.host}:{a.port}/v1 (profile "
+        print(f"npu-serve: {engine.path} as {service.model_id!r} on {base_url(a.host, a.port)} (profile "
               f"{engine.profile.name}, speculative {drafter}, context {engine.memory.max_context} tokens, requests up "
               f"to {human_bytes(limit)}, {a.max_queue} at once); "
               "Ctrl-C stops", file=sys.stderr, flush=True)

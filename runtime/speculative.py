@@ -21,7 +21,7 @@ from hybrid_npu.config import ModelConfig
 from hybrid_npu.kernels.conv import tree_conv_select
 from hybrid_npu.kernels.delta_rule import commit_state_ref
 
-from .sampling import filtered_probs
+from .sampling import Sampler
 from .state import State
 from .step_inputs import chain_rows, context_feed
 
@@ -129,35 +129,26 @@ def accept_greedy(logits: np.ndarray, tree: Tree, n_real: int) -> tuple[list[int
         node = nxt
 
 
-def accept_sampled(logits: np.ndarray, tree: Tree, n_real: int, temperature: float, top_k: int, top_p: float,
-                   rng: np.random.Generator) -> tuple[list[int], int]:
-    """Multi-candidate rejection with deterministic drafts (docs/eagle3-drafter.md).
+def accept_sampled(logits: np.ndarray, tree: Tree, n_real: int, sampler: Sampler, root_position: int
+                   ) -> tuple[list[int], int]:
+    """The path plain sampling would have taken (docs/reproducibility.md): at each node the token
+    the target chooses next is sampler.choose(its logits, its position), the Gumbel-max keyed by
+    (seed, position); a child drafting that token is accepted and the walk goes on from it, else
+    that token is the bonus. root_position: the root's position in the context (the number of
+    tokens before it), so a node at depth d chooses the token at root_position + d + 1.
 
-    Why lossless: at a node the target's distribution is p. A draft x treated as a point mass q is
-    accepted with probability min(1, p(x)/q(x)) = p(x); on rejection the exact residual is
-    (p - q)+ / (1 - p(x)) = p with x removed, renormalised. Trying the next distinct sibling
-    against that residual repeats the same step, so whichever token leaves the node (an accepted
-    child, or a sample from the final residual) is distributed exactly as p, and conditioning on
-    it, the walk continues from that child with the target's own next distribution.
-    """
+    Why lossless: the emitted tokens are exactly those plain sampling draws from the same logits and
+    noise, whatever the draft; a draft only decides how many of them one verify pass yields. Drafted
+    tokens as point masses are accepted with probability p(x) each, as multi-candidate rejection
+    accepts them."""
     kids, node, path = tree.children(n_real), 0, [0]
     while True:
-        p = filtered_probs(logits[node], temperature, top_k, top_p)
-        accepted, tried = None, set()
-        for c in kids[node]:
-            x = tree.tokens[c]
-            if x in tried:
-                continue
-            tried.add(x)
-            if rng.random() < p[x]:
-                accepted = c
-                break
-            p[x] = 0.0
-            p /= p.sum()
-        if accepted is None:
-            return path, int(rng.choice(p.size, p=p))
-        path.append(accepted)
-        node = accepted
+        want = sampler.choose(logits[node], root_position + len(path))
+        nxt = next((c for c in kids[node] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        node = nxt
 
 
 def conv_window(conv: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:

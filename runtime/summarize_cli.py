@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from hybrid_npu.cli_common import OneLineParser, human_bytes, path_arg, report, stdout_closed
+from hybrid_npu.cli_common import OneLineParser, data_output, human_bytes, path_arg, report, stdout_closed
 from hybrid_npu.errors import UserError
 
 from .model_args import add_engine_arguments, check_engine_arguments, open_model
@@ -34,7 +34,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("file", type=path_arg, help="the document (.pdf needs: pip install hybrid-npu[pdf])")
     p.add_argument("--model", type=path_arg, help="an export-hybrid output directory (default: the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest summary in tokens (default: 256)")
-    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--seed", type=int, help="sampling seed: the same document, settings and seed give the same summary")
     add_engine_arguments(p, "where the document is prefilled")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {text, token_ids, document_tokens, stats}, no progress bar")
@@ -151,6 +151,7 @@ def main(argv=None) -> int:
         a = build_parser().parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    data_output()  # the summary is data: UTF-8 on stdout whatever the console
     try:
         from .conversation import require_tokenizer
         from .documents import check_document, read_document
@@ -167,10 +168,8 @@ def main(argv=None) -> int:
         options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
                        speculative=False if a.no_speculative else None)
         if a.json:
-            print(json.dumps(summarize(engine, ids, **options)))
+            print(json.dumps(summarize(engine, ids, **options), ensure_ascii=False))
             return 0
-        if hasattr(sys.stdout, "reconfigure"):
-            sys.stdout.reconfigure(errors="replace")  # a console that cannot show a character gets "?", not a crash
         if a.quiet:
             summarize(engine, ids, on_text=_show, **options)
             print()

@@ -1,12 +1,12 @@
 """The sampled-speculation check both drafters' tests run: draw the first two generated tokens many
-times through multi-candidate rejection on pre-verified trees, and compare their counts with the
-plain sampler's exact joint distribution by a chi-square test."""
+times through the seeded Gumbel-max verify (speculative.accept_sampled) on pre-verified trees, and
+compare their counts with the plain sampler's exact joint distribution by a chi-square test."""
 import copy
 
 import numpy as np
 from scipy.stats import chisquare
 
-from hybrid_npu.runtime.sampling import choose, filtered_probs
+from hybrid_npu.runtime.sampling import Sampler, filtered_probs
 from hybrid_npu.runtime.speculative import Tree, accept_sampled, tree_feed
 
 RUNS = 20_000
@@ -18,10 +18,10 @@ def sample_first_two(logits0, verified: dict, temperature: float, top_p: float, 
     v = len(logits0)
     counts, drafts_accepted = np.zeros((v, v)), 0
     for r in range(runs):
-        rng = np.random.default_rng(r)
-        y1 = choose(logits0, temperature, 0, top_p, rng)
+        sampler = Sampler(temperature, 0, top_p, seed=r)  # run r's noise: keyed by (r, position)
+        y1 = sampler.choose(logits0, 0)
         tree, n_real, logits = verified[y1]
-        path, bonus = accept_sampled(logits, tree, n_real, temperature, 0, top_p, rng)
+        path, bonus = accept_sampled(logits, tree, n_real, sampler, 0)  # the root y1 is at position 0
         counts[y1, tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
         drafts_accepted += len(path) > 1
     return counts, drafts_accepted
@@ -42,7 +42,7 @@ def check_first_two(engine, logits0, temperature: float, top_p: float, draft) ->
     """engine just prefilled a prompt whose last logits are logits0. For every first token y the
     plain sampler could give, draft(y, p2) -> (tokens, parents) is the tree drafted after y (p2: the
     target's filtered distribution after y, for a drafter that wants it); the target verifies it
-    once. Then RUNS seeded runs of multi-candidate rejection must give the exact plain joint
+    once. Then RUNS seeded runs of the verify must give the exact plain joint
     distribution of the first two tokens (chi-square), with drafts really accepted."""
     base, v = copy.deepcopy(engine.state), len(logits0)
     p1 = filtered_probs(logits0, temperature, 0, top_p)

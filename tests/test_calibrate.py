@@ -1,4 +1,6 @@
 """npu-bench calibrate: measured thresholds written into a user profile."""
+import json
+import os
 import shutil
 import subprocess
 import sysconfig
@@ -6,6 +8,7 @@ import sysconfig
 import pytest
 from conftest import CHUNK
 
+import hybrid_npu
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.calibrate import calibrate
 
@@ -36,3 +39,14 @@ def test_npu_bench_cli_bad_lengths_is_one_line_exit_2(text_tied):
     proc = subprocess.run([exe, "calibrate", "--profile", "cpu", "--model", text_tied.out, "--lengths", "x,1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--lengths" in proc.stderr
+
+
+def test_npu_bench_without_model_measures_the_embedded_model(tmp_path):
+    """As npu-chat and npu-summarize, npu-bench opens the embedded model when no --model is given."""
+    exe = shutil.which("npu-bench", path=sysconfig.get_path("scripts"))
+    proc = subprocess.run([exe, "calibrate", "--profile", "cpu", "--lengths", "16", "--no-write", "--json"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HYBRID_NPU_PROFILE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["model"] == str(hybrid_npu.default_model()) and result["cpu_decode_tokens_per_s"] > 0

@@ -189,7 +189,7 @@ def tiny_vocab_mtp(tmp_path_factory):
 def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_vocab_mtp, temperature, top_p):
     """First two generated tokens over 20,000 seeded runs against the exact plain joint distribution:
     for each first token the MTP head drafts its top-3 tree (depth 2) after it, the target verifies
-    it once, and the runs exercise multi-candidate rejection on those trees."""
+    it once, and the runs exercise the seeded verify on those trees."""
     engine = hybrid_npu.load(tiny_vocab_mtp)
     logits0 = engine.prefill_logits([3, 7, 2, 9, 4])
     catch_up_drafter(engine)  # the prompt's pairs wait for the drafter's next use: here
@@ -201,6 +201,38 @@ def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_voca
         dr.observe([y], tap[None])  # the prompt's last tap pairs with the first generated token
         return dr.propose(y, top_k=3, depth=2, total_tokens=7)  # top-3 of 12 tokens: drafts are accepted
     check_first_two(engine, logits0, temperature, top_p, draft)
+
+
+def test_seeded_replies_drafted_with_their_own_noise_have_the_plain_distribution(tiny_vocab_mtp):
+    """End to end through engine.generate: 1,200 seeded replies, each a round after its first token
+    whose chain the MTP head drafts with the reply's own noise (coupled drafting: the draft depends on
+    the seed), give the exact plain joint distribution of the first two tokens (chi-square), with
+    drafts really accepted."""
+    from sampled_check import chi_square_p
+
+    from hybrid_npu.runtime.sampling import filtered_probs
+
+    runs, prompt = 1200, [3, 7, 2, 9, 4]
+    engine = hybrid_npu.load(tiny_vocab_mtp)
+    p1 = filtered_probs(engine.prefill_logits(prompt), 1.0)
+    base, joint = copy.deepcopy(engine.state), np.zeros((V, V))
+    for y in range(V):
+        engine.state = copy.deepcopy(base)
+        joint[y] = p1[y] * filtered_probs(engine.decode(y), 1.0)
+    engine.adaptive, engine.draft_shape = False, {"top_k": 1, "depth": 3, "total_tokens": 3}
+    counts, accepted = np.zeros((V, V)), 0
+    for seed in range(runs):
+        first, second, _ = engine.generate(prompt, 3, temperature=1.0, seed=seed, stop_at_eos=False)
+        assert engine.last_stats["rounds"] >= 1  # the second token came from a round
+        counts[first, second] += 1
+        accepted += engine.last_stats["acceptance_length"] > 1
+    assert accepted > runs // 20
+    expected = joint.ravel() * runs
+    assert counts.ravel()[expected == 0].sum() == 0
+    stat, pvalue, bins = chi_square_p(counts.ravel(), expected)
+    print(f"\ncoupled chains: chi-square {stat:.1f} over {bins} bins, p = {pvalue:.3f}, "
+          f"a draft accepted in {accepted / runs:.0%} of replies")
+    assert pvalue > 0.001
 
 
 # ---------------------------------------------------------------- bad input

@@ -49,6 +49,17 @@ def test_npu_prefill_then_cpu_decode_agrees_with_cpu_only(text_tied, npu_engine)
     assert agree / len(want) >= 0.99
 
 
+def test_the_first_npu_use_says_it_compiles_and_that_it_is_once(text_tied, htp_profile, capsys):
+    """An export without context binaries compiles its NPU graphs on first use (minutes on a real
+    NPU): one line on stderr says so before it starts, and a second prefill compiles nothing."""
+    engine = hybrid_npu.load(text_tied.out, profile=htp_profile, prefill="npu")
+    for _ in range(2):
+        engine.generate(list(range(5, 5 + CHUNK + 3)), 2)
+        assert engine.last_stats["prefill_device"] == "QNN/HTP"
+    notes = [line for line in capsys.readouterr().err.splitlines() if "compiling" in line]
+    assert len(notes) == 1 and "no QNN context binaries" in notes[0] and "once per run" in notes[0], notes
+
+
 def test_prefill_cpu_forces_the_cpu(text_tied, htp_profile):
     engine = hybrid_npu.load(text_tied.out, profile=htp_profile, prefill="cpu")
     engine.generate([1, 2, 3], 2)

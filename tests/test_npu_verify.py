@@ -40,6 +40,19 @@ def test_whole_verify_graph_on_the_htp_gives_the_plain_greedy_tokens(text_tied, 
     print(f"\nHTP verify: acceptance length {stats['acceptance_length']:.2f} over {stats['rounds']} rounds")
 
 
+def test_a_seeded_sampled_reply_verified_on_the_htp_is_plain_sampling(text_tied, htp_profile, tmp_path):
+    """A seed pins a sampled reply whatever device verifies (docs/reproducibility.md): rounds verified
+    on the HTP emit plain sampling's tokens, drafts right or wrong."""
+    prof = derived_profile(htp_profile, tmp_path, "test-npu-verify-sampled", verify_device='"npu"')
+    engine = hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
+    settings = dict(temperature=0.8, top_p=0.95, seed=3, stop_at_eos=False)
+    want = engine.generate(PROMPT, NEW, speculative=False, **settings)
+    engine.drafter = OracleDrafter(320, engine, PROMPT + want, wrong_rate=0.3, seed=1)
+    engine.adaptive = False
+    assert engine.generate(PROMPT, NEW, **settings) == want
+    assert engine.last_stats["verify_device"] == "QNN/HTP" and engine.last_stats["acceptance_length"] > 1.5
+
+
 def test_verify_parts_and_contexts_on_the_htp_give_the_plain_greedy_tokens(text_tied, htp_profile,
                                                                            tmp_path, plain):
     prof = derived_profile(htp_profile, tmp_path, "test-verify-parts", verify_device='"npu"',

@@ -435,3 +435,17 @@ def test_drafter_weights_set_the_drafters_precision_apart_from_the_targets(text_
     ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "drafter" / "drafter.onnx"), load_external_data=False).graph.node}
     assert ("MatMulNBits" in ops) == (bits is not None)
     _assert_rounds_give_the_plain_output(tmp_path / "out")
+
+
+def test_int4_summary_counts_a_tied_embedding_once_and_names_its_fp16_storage(text_tied, tmp_path):
+    """The closing table's parameter count is the model's (transformers counts a tied embedding once),
+    though the int4 export stores the table (fp16) and an int8 lm_head copy of it; and it names each
+    storage instead of calling everything but the linear layers --dtype."""
+    from hybrid_npu.export.summary import summary_lines
+
+    out = tmp_path / "int4"
+    export(text_tied.src, out, chunk=CHUNK, weights="int4")
+    manifest = json.loads((out / "model.json").read_text(encoding="utf-8"))
+    line = next(x for x in summary_lines(out, manifest) if x.startswith("weights"))
+    assert f" ({text_tied.ref.num_parameters():,} params, " in line
+    assert "int4 linear layers, int8 lm_head (a copy of the tied embedding), fp16 embedding, fp32 rest" in line

@@ -114,6 +114,20 @@ def test_replies_equal_npu_chat_streaming_or_not(server):
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the same prompt again
 
 
+def test_a_seed_reproduces_a_sampled_reply_and_it_is_npu_chats(server):
+    """Four identical sampled requests with one seed: one reply (the server speculates; its policy
+    decides from timings), and it is npu-chat's plain-decoded reply with that seed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert chat_main(["--prompt", "class Stack:", "--json", "--max-new-tokens", "24", "--temperature", "0.8",
+                          "--seed", "1", "--no-speculative"]) == 0
+    want = json.loads(out.getvalue())["text"]
+    client = server.client()
+    replies = {ask(client, [{"role": "user", "content": "class Stack:"}], 24, temperature=0.8, seed=1)
+               .choices[0].message.content for _ in range(4)}
+    assert replies == {want}
+
+
 def test_the_next_request_of_a_conversation_prefills_only_its_new_part(server):
     from transformers import AutoTokenizer
 
@@ -343,3 +357,35 @@ def test_cors_only_for_the_origin_given():
         assert preflight("http://evil.example") is None
     finally:
         s.stop()
+
+
+def test_an_ipv6_host_prints_a_url_a_client_can_use():
+    """npu-serve --host ::1 names its address as http://[::1]:PORT/v1 (RFC 3986 brackets), and the
+    openai client reaches the server at exactly the URL printed."""
+    import re
+    from urllib.parse import urlsplit
+
+    with socket.socket(socket.AF_INET6) as s:
+        try:
+            s.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback here")
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.serve_cli", "--host", "::1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, encoding="utf-8")
+    try:
+        line = proc.stderr.readline()  # the banner, once the model is loaded (bounded by the timeout below)
+        url = re.search(r"http://\S+/v1", line).group(0)
+        assert url == f"http://[::1]:{port}/v1" and urlsplit(url).hostname == "::1"
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                assert [m.id for m in client.models.list()] == ["default"]
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.3)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

@@ -184,7 +184,7 @@ def test_sampled_speculative_tokens_have_the_plain_distribution(tiny_vocab, temp
     """First two generated tokens over 20,000 seeded runs against the exact plain joint distribution.
 
     The drafter's tree for each first token is drawn once (a drafter may be deterministic), so the
-    verify pass runs once per first token and the 20,000 runs exercise the acceptance rule."""
+    verify pass runs once per first token and the 20,000 runs exercise the seeded verify."""
     engine = hybrid_npu.load(tiny_vocab)
     logits0 = engine.prefill_logits([3, 7, 2, 9, 4])
     rng = RandomDrafter(V, seed=11).rng

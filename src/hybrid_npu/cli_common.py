@@ -81,3 +81,51 @@ def stdout_closed() -> int:
     except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
         pass
     return 1
+
+
+def _reconfigure(stream, **kw) -> None:
+    if hasattr(stream, "reconfigure"):  # a real text stream (a test may have put a StringIO there)
+        stream.flush()
+        stream.reconfigure(**kw)
+
+
+def data_output() -> None:
+    """stdout carries data (--json, --render-only, a reply or summary meant for a file or a pipe):
+    UTF-8 whatever the console's code page or locale says (PYTHONIOENCODING=cp1252, LANG=C), so the
+    bytes are the text's exactly; stderr (progress, errors) shows what it can, '?' for the rest."""
+    _reconfigure(sys.stdout, encoding="utf-8", errors="replace")  # "replace": only lone surrogates
+    _reconfigure(sys.stderr, errors="replace")
+
+
+def console_output(prog: str) -> None:
+    """Interactive text: where stdout is a file or a pipe it is data (data_output) and stdin, the
+    messages piped in, is read as UTF-8 too; on a terminal the console's own encoding, with what it
+    cannot show replaced by '?' and said once on stderr (note_unshowable)."""
+    if not sys.stdout.isatty():
+        data_output()
+    else:
+        _reconfigure(sys.stdout, errors="replace")
+        _reconfigure(sys.stderr, errors="replace")
+    if not sys.stdin.isatty():
+        _reconfigure(sys.stdin, encoding="utf-8", errors="replace")
+    _unshowable.update(prog=prog, said=False)
+
+
+_unshowable = {"prog": None, "said": False}
+
+
+def note_unshowable(text: str, stream=None) -> None:
+    """Say once (stderr) that the console replaced characters it cannot show, and how to see them."""
+    stream = stream or sys.stdout
+    if _unshowable["said"] or _unshowable["prog"] is None:
+        return
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        _unshowable["said"] = True
+        print(f"{_unshowable['prog']}: note: this console's encoding ({encoding}) cannot show some characters; "
+              "they appear as '?'. Set PYTHONIOENCODING=utf-8 (Windows: also `chcp 65001`), or use --json, "
+              "to see them", file=sys.stderr, flush=True)
+    except LookupError:
+        pass

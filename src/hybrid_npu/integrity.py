@@ -178,7 +178,7 @@ def _write_cache(keys: Iterable[str]) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".verified-", dir=target.parent)  # unique: concurrent loads
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(list(keys)[-_CACHE_ENTRIES:], f)
         os.replace(tmp, target)
     except OSError:

@@ -30,6 +30,8 @@ def check_export(export_dir, profile, progress: Callable[[str], None] | None = N
         files = npu_part_files(path, manifest, prof)
     except NpuUnavailable as e:
         raise UserError(str(e)) from None
+    tile = manifest.get("npu", {}).get(prof.name, {}).get("tile")
+    files = files + ([tile["file"]] if tile else [])  # the attention tile between the prefill's segments
     free = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + int(manifest["chunk"])}
     reports = []
     for k, f in enumerate(files, 1):

@@ -239,15 +239,16 @@ def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, gra
 
 
 def _write_tile_graph(cfg: ModelConfig, graphs_dir: Path, prof, chunk: int) -> dict:
-    """The NPU's attention tile (kernels/attention_tile.py): no weights, so one graph serves every layer."""
+    """The NPU's attention tile (kernels/attention_tile.py): no weights, so one graph serves every layer;
+    never more rows than the model has positions."""
     nkv = cfg.num_key_value_heads
     name = f"attention_tile.{prof.name}"
+    rows = min(prof.attention_tile, cfg.max_position_embeddings)
     g = GraphBuilder(name)
-    emit_attention_tile(g, n=chunk, group=cfg.num_attention_heads // nkv, nkv=nkv, hd=cfg.head_dim,
-                        tile=prof.attention_tile)
+    emit_attention_tile(g, n=chunk, group=cfg.num_attention_heads // nkv, nkv=nkv, hd=cfg.head_dim, tile=rows)
     model = g.model()
     onnx.save_model(model, graphs_dir / f"{name}.onnx")
-    return {"file": f"graphs/{name}.onnx", "rows": prof.attention_tile, "n": chunk, "nodes": len(model.graph.node),
+    return {"file": f"graphs/{name}.onnx", "rows": rows, "n": chunk, "nodes": len(model.graph.node),
             "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
 
 

@@ -100,3 +100,18 @@ def test_a_profile_without_a_tile_size_names_the_fix(htp_profile, tmp_path):
     path.write_text(text.replace('name = "test-htp"', 'name = "no-tile"'))
     with pytest.raises(UserError, match=r"missing key 'attention_tile' in \[shapes\]; add it, e\.g\. attention_tile = 2048"):
         load_profile(path)
+
+
+def test_npu_summarize_names_the_htp_in_its_progress_line(tiled, htp_profile, tmp_path):
+    """A document past the profile's T_max (96), every chunk on the HTP: the progress line and the
+    closing stats say so."""
+    from test_summarize_cli import run
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The fox runs into the forest and the owl watches it go. " * 10, encoding="utf-8")
+    proc = run(doc, "--model", tiled, "--profile", htp_profile, "--prefill", "npu", "--max-new-tokens", 4,
+               "--no-speculative")
+    assert proc.returncode == 0, proc.stderr
+    assert "prefill on QNN/HTP" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    n = int(re.search(r"prefill (\d+) tokens on QNN/HTP ", proc.stderr).group(1))
+    assert n > load_profile(htp_profile).attention_capacity

@@ -32,7 +32,7 @@ from .mtp_drafter import export_mtp, read_mtp, trim_head
 from hybrid_npu import integrity
 from .manifest import FORMAT, MANIFEST, value_infos
 from .out_dir import check_output, finish_partial, make_partial, os_error_line, remove_stale_partials
-from hybrid_npu.kernels.attention_tile import emit_attention_tile
+from hybrid_npu.kernels.attention_tile import BULK_TILES, emit_attention_tile
 from hybrid_npu.kernels.graph import GraphBuilder
 
 from .parts import cut_at_attention, htp_itemsize, plan_parts
@@ -239,17 +239,21 @@ def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, gra
 
 
 def _write_tile_graph(cfg: ModelConfig, graphs_dir: Path, prof, chunk: int) -> dict:
-    """The NPU's attention tile (kernels/attention_tile.py): no weights, so one graph serves every layer;
-    never more rows than the model has positions."""
+    """The NPU's attention tile (kernels/attention_tile.py) and its bulk form (BULK_TILES tiles a call):
+    no weights, so one graph of each serves every layer; never more rows than the model has positions."""
     nkv = cfg.num_key_value_heads
-    name = f"attention_tile.{prof.name}"
     rows = min(prof.attention_tile, cfg.max_position_embeddings)
-    g = GraphBuilder(name)
-    emit_attention_tile(g, n=chunk, group=cfg.num_attention_heads // nkv, nkv=nkv, hd=cfg.head_dim, tile=rows)
-    model = g.model()
-    onnx.save_model(model, graphs_dir / f"{name}.onnx")
-    return {"file": f"graphs/{name}.onnx", "rows": rows, "n": chunk, "nodes": len(model.graph.node),
-            "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+    bulk = min(BULK_TILES * rows, cfg.max_position_embeddings // rows * rows)
+    entry = {}
+    for key, name, n_rows in (("", f"attention_tile.{prof.name}", rows), ("bulk_", f"attention_bulk.{prof.name}", bulk)):
+        if key and n_rows <= rows:
+            break
+        g = GraphBuilder(name)
+        emit_attention_tile(g, n=chunk, group=cfg.num_attention_heads // nkv, nkv=nkv, hd=cfg.head_dim, tile=n_rows)
+        model = g.model()
+        onnx.save_model(model, graphs_dir / f"{name}.onnx")
+        entry.update({f"{key}file": f"graphs/{name}.onnx", f"{key}rows": n_rows, f"{key}nodes": len(model.graph.node)})
+    return {**entry, "n": chunk, "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
 
 
 def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple[list[int], dict] | None = None,
@@ -323,8 +327,8 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
             entry[context_key] = compile_contexts(tmp, [p["file"] for p in entries], prof, specs[graph].n,
                                                   say) if compile_context else None
         entry["tile"] = _write_tile_graph(cfg, graphs_dir, prof, chunk)
-        entry["tile_context"] = compile_contexts(tmp, [entry["tile"]["file"]], prof, chunk,
-                                                 say) if compile_context else None
+        tiles = [entry["tile"][k] for k in ("file", "bulk_file") if k in entry["tile"]]
+        entry["tile_context"] = compile_contexts(tmp, tiles, prof, chunk, say) if compile_context else None
     tokenizer_files = []
     for f in TOKENIZER_FILES:
         if (ck.path / f).exists():

@@ -31,7 +31,8 @@ def check_export(export_dir, profile, progress: Callable[[str], None] | None = N
     except NpuUnavailable as e:
         raise UserError(str(e)) from None
     tile = manifest.get("npu", {}).get(prof.name, {}).get("tile")
-    files = files + ([tile["file"]] if tile else [])  # the attention tile between the prefill's segments
+    # the attention tile graphs between the prefill's segments
+    files = files + [tile[k] for k in ("file", "bulk_file") if tile and k in tile]
     free = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + int(manifest["chunk"])}
     reports = []
     for k, f in enumerate(files, 1):

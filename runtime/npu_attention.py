@@ -31,23 +31,38 @@ def feed_attention(i: int, result: dict, feed: dict) -> np.ndarray:
 
 
 class TileAttention:
-    """The core on the HTP: one session of the tile graph (B rows, a chunk of n queries) for every layer."""
+    """The core on the HTP: sessions of the tile graph (B rows, a chunk of n queries) and of its bulk
+    form (bulk: (session, rows), BULK_TILES tiles a call, or None), one of each for every layer."""
 
-    def __init__(self, session, rows: int, n: int):
+    def __init__(self, session, rows: int, n: int, bulk=None):
         self.session, self.rows, self.n = session, rows, n
-        self.calls = 0  # tile calls so far (the NPU's attention calls; docs/long-context.md counts them)
-        self._visible = np.zeros((n, rows), np.float32)  # a tile wholly before the chunk: every row visible
+        self.bulk, self.bulk_rows = bulk if bulk else (None, 0)
+        self.calls = 0  # tile calls so far, bulk ones included (docs/long-context.md counts them)
+        self._visible = {}  # rows -> an all-visible mask: a tile wholly before the chunk
 
     def tiles(self, position: int) -> int:
-        """Tile calls one layer makes for a chunk at `position`."""
-        return -(-(position + self.n) // self.rows)
+        """Tile calls one layer makes for a chunk at `position`: bulk calls over whole bulk tiles of the
+        context before it, then tiles of B up to its end."""
+        bulk = position // self.bulk_rows if self.bulk is not None else 0
+        return bulk + -(-(position + self.n - bulk * self.bulk_rows) // self.rows)
+
+    def _visible_mask(self, rows: int) -> np.ndarray:
+        if rows not in self._visible:
+            self._visible[rows] = np.zeros((self.n, rows), np.float32)
+        return self._visible[rows]
 
     def __call__(self, i: int, result: dict, feed: dict) -> np.ndarray:
         q, new_k, new_v, past_k, past_vt = _layer_rows(i, result, feed)
-        pos, b, n = int(feed[POSITION]), self.rows, self.n
+        pos, n = int(feed[POSITION]), self.n
         nkv, hd = new_k.shape[0], new_k.shape[2]
+        spans = []  # (session, first row, rows)
+        t0 = 0
+        while self.bulk is not None and t0 + self.bulk_rows <= pos:
+            spans.append((self.bulk, t0, self.bulk_rows))
+            t0 += self.bulk_rows
+        spans += [(self.session, t, self.rows) for t in range(t0, pos + n, self.rows)]
         acc = None
-        for t0 in range(0, pos + n, b):
+        for session, t0, b in spans:
             end = min(t0 + b, pos + n)
             if end <= pos and past_k.dtype == np.float32 and t0 + b <= past_k.shape[1]:
                 keys, values_t = past_k[:, t0:end], past_vt[:, :, t0:end]  # ORT copies the strided view in
@@ -57,13 +72,13 @@ class TileAttention:
                 keys[:, :split - t0], values_t[:, :, :split - t0] = past_k[:, t0:split], past_vt[:, :, t0:split]
                 keys[:, split - t0:end - t0] = new_k[:, split - pos:end - pos]
                 values_t[:, :, split - t0:end - t0] = new_v[:, split - pos:end - pos].transpose(0, 2, 1)
-            if end <= pos:
-                mask = self._visible
+            if end <= pos and end - t0 == b:
+                mask = self._visible_mask(b)
             else:  # key t visible to query c when t <= pos + c (a padded chunk's rows hide behind its real ones)
                 mask = np.where(np.arange(t0, t0 + b)[None] <= pos + np.arange(n)[:, None], 0.0, MASKED)
                 mask = mask.astype(np.float32)
-            step = self.session.run(None, {"tile_q": q, "tile_key": np.ascontiguousarray(keys),
-                                           "tile_value": np.ascontiguousarray(values_t), "tile_mask": mask})
+            step = session.run(None, {"tile_q": q, "tile_key": np.ascontiguousarray(keys),
+                                      "tile_value": np.ascontiguousarray(values_t), "tile_mask": mask})
             self.calls += 1
             acc = step if acc is None else merge_ref(acc, step)
         return acc[2].astype(np.float32)

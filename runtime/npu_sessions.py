@@ -116,8 +116,10 @@ def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill
         pipe = Pipeline(sessions, NPU_DEVICE, files)
         pipe.tiled = None
     else:
-        (tile_session,), tile_from_context = _sessions(path, [tile["file"]], entry.get("tile_context"), profile, {})
-        pipe = Pipeline(sessions, NPU_DEVICE, files, attend=TileAttention(tile_session, int(tile["rows"]), n))
+        tile_files = [tile[k] for k in ("file", "bulk_file") if k in tile]
+        tile_sessions, tile_from_context = _sessions(path, tile_files, entry.get("tile_context"), profile, {})
+        bulk = (tile_sessions[1], int(tile["bulk_rows"])) if len(tile_sessions) > 1 else None
+        pipe = Pipeline(sessions, NPU_DEVICE, files, attend=TileAttention(tile_sessions[0], int(tile["rows"]), n, bulk))
         pipe.tiled = pipe.attend
         from_context = from_context and tile_from_context
     pipe.from_context = from_context

@@ -7,6 +7,7 @@ import json
 
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.export.parts import cut_at_attention, htp_itemsize, plan_parts
+from hybrid_npu.kernels.attention_tile import BULK_TILES
 from hybrid_npu.profiles.loader import load_profile
 
 # docs/qwen35-model.md: hidden, layers, query heads, KV heads, GDN value heads, MLP width (head dim 256)
@@ -45,10 +46,11 @@ def main():
         parts = plan_parts(cfg, prof.part_weight_bytes, htp_itemsize(prof))
         segments = len(cut_at_attention(cfg, parts))
         for pos in POSITIONS:
-            tiles = -(-(pos + c) // b)
-            flops, kv = chunk_cost(cfg, tiles * b, c)
+            bulk = pos // (BULK_TILES * b)  # whole bulk calls before the chunk, then tiles (runtime/npu_attention.py)
+            tiles = -(-(pos + c - bulk * BULK_TILES * b) // b)
+            flops, kv = chunk_cost(cfg, (bulk * BULK_TILES + tiles) * b, c)
             row = {"model": name, "position": pos, "tiled_gflop": round(flops / 1e9, 1), "tiled_kv_mb": round(kv / 1e6, 1),
-                   "tiled_npu_calls": segments + len(cfg.full_layers) * tiles}
+                   "tiled_npu_calls": segments + len(cfg.full_layers) * (bulk + tiles)}
             if pos + c <= args.t_max:  # the T_max graphs read all T_max past rows and the chunk's own
                 flops, kv = chunk_cost(cfg, args.t_max + c, c)
                 row.update(t_max_gflop=round(flops / 1e9, 1), t_max_kv_mb=round(kv / 1e6, 1), t_max_npu_calls=len(parts))

@@ -94,24 +94,28 @@ def test_tile_graph_on_the_htp_merges_to_full_attention(tmp_path, htp_profile):
     assert rel < 5e-3 and math.isfinite(rel)
 
 
-@pytest.mark.parametrize("pos", [0, 5, 16, 37])
+@pytest.mark.parametrize("pos", [0, 5, 16, 37, 70])
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
 def test_host_tiles_from_the_state_are_full_attention(pos, cache):
-    """runtime/npu_attention.TileAttention (the tile graph on the CPU here): the State's rows before the
-    chunk, the chunk's own new rows, a short last tile; an fp16 cache read as it lies."""
+    """runtime/npu_attention.TileAttention (the tile graphs on the CPU here): bulk calls of 32 rows over the
+    context before the chunk, then tiles of 8: the State's rows, the chunk's own new rows, a short last
+    tile; an fp16 cache read as it lies."""
     import onnxruntime as ort
     from hybrid_npu.runtime.npu_attention import POSITION, TileAttention
 
-    tile, cap = 16, pos + 11  # the State holds more rows than are in use
+    tile, bulk, cap = 8, 32, pos + 11  # the State holds more rows than are in use
     q, keys, values, mask = case(pos + N, pos, seed=pos)
     keys, values = keys.astype(cache).astype(np.float32), values.astype(cache).astype(np.float32)
     past_k = np.zeros((NKV, cap, HD), cache)
     past_vt = np.zeros((NKV, HD, cap), cache)
     past_k[:, :pos], past_vt[:, :, :pos] = keys[:, :pos], values[:, :pos].transpose(0, 2, 1)
-    sess = ort.InferenceSession(tile_graph(tile).model().SerializeToString(), providers=["CPUExecutionProvider"])
+    sess, bulk_sess = (ort.InferenceSession(tile_graph(rows).model().SerializeToString(),
+                                            providers=["CPUExecutionProvider"]) for rows in (tile, bulk))
     result = {"attn_q.3": q, "new_key.3": keys[:, pos:], "new_value.3": values[:, pos:]}
     feed = {"past_key.3": past_k, "past_value.3": past_vt, POSITION: pos}
-    runner = TileAttention(sess, tile, N)
+    runner = TileAttention(sess, tile, N, (bulk_sess, bulk))
     got = runner(3, result, feed)
-    assert runner.calls == runner.tiles(pos) == -(-(pos + N) // tile) and "attn_q.3" not in result
+    whole = pos // bulk
+    assert runner.calls == runner.tiles(pos) == whole + -(-(pos + N - whole * bulk) // tile)
+    assert "attn_q.3" not in result
     np.testing.assert_allclose(got, torch_attention(q, keys, values, mask), atol=2e-5)

@@ -153,7 +153,8 @@ def test_check_npu_cli_reports_every_graph_on_the_htp(split_export):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     entry = json.loads((out / "model.json").read_text())["npu"]["test-split"]
-    parts = entry["parts"] + [entry["tile"]]  # the prefill's segments and the attention tile
+    # the prefill's segments and the attention tile graphs (a tile, and BULK_TILES tiles a call)
+    parts = entry["parts"] + [{"file": entry["tile"][k]} for k in ("file", "bulk_file")]
     assert len(lines) == len(parts)
     for line in lines:
         n, on = re.search(r"(\d+) nodes, (\d+) on HTP \(all on HTP\)", line).groups()
@@ -212,23 +213,25 @@ def test_real_qwen35_08b_graphs_place_entirely_on_the_htp(name, tmp_path):
     assert r["on_htp"] == r["nodes"]
 
 
-def test_real_qwen35_08b_attention_tile_places_entirely_on_the_htp(tmp_path):
-    """The shipped X Elite profile's tile (2,048 rows) at the 0.8B's attention shapes (128 queries, 2 KV
-    heads of 4 query heads, hd 256): every node on the HTP."""
+@pytest.mark.parametrize("tiles", [1, 8])
+def test_real_qwen35_08b_attention_tile_places_entirely_on_the_htp(tiles, tmp_path):
+    """The shipped X Elite profile's tile (2,048 rows) and its bulk form (BULK_TILES = 8 tiles a call) at
+    the 0.8B's attention shapes (128 queries, 2 KV heads of 4 query heads, hd 256): every node on the HTP."""
     import onnx
 
-    from hybrid_npu.kernels.attention_tile import emit_attention_tile
+    from hybrid_npu.kernels.attention_tile import BULK_TILES, emit_attention_tile
     from hybrid_npu.kernels.graph import GraphBuilder
 
+    assert tiles in (1, BULK_TILES)
     cfg = qwen35_text_config("0.8B")
     prof = load_profile("snapdragon-x-elite")
     g = GraphBuilder("tile")
     emit_attention_tile(g, n=prof.prefill_chunk, group=cfg.num_attention_heads // cfg.num_key_value_heads,
-                        nkv=cfg.num_key_value_heads, hd=cfg.head_dim, tile=prof.attention_tile)
+                        nkv=cfg.num_key_value_heads, hd=cfg.head_dim, tile=tiles * prof.attention_tile)
     onnx.save(g.model(), tmp_path / "tile.onnx")
     r = compile_on_npu(tmp_path / "tile.onnx", {**prof.qnn_provider_options(),
                                                 "htp_graph_finalization_optimization_mode": "1"})
-    print(f"\nattention tile ({prof.attention_tile} rows): {r['nodes']} nodes, {r['on_htp']} on HTP, "
+    print(f"\nattention tile ({tiles * prof.attention_tile} rows): {r['nodes']} nodes, {r['on_htp']} on HTP, "
           f"compile {r.get('compile_s')} s")
     assert r["ok"], r
     assert r["on_htp"] == r["nodes"]

@@ -17,6 +17,7 @@ from test_npu_export import derived_profile
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
+from hybrid_npu.kernels.attention_tile import BULK_TILES
 from hybrid_npu.profiles.loader import load_profile
 
 pytest.importorskip("onnxruntime_qnn", reason="the NPU path needs the qnn extra")
@@ -44,7 +45,8 @@ def test_a_prompt_past_t_max_of_eight_tiles_prefills_only_on_the_htp(tiled, text
     assert engine.last_stats["prefill_device"] == "QNN/HTP"  # every chunk: the devices of all chunks joined
     tiles = engine.pipelines["npu_prefill"].tiled
     n_attn = len(engine.config.full_layers)
-    want_calls = sum(n_attn * -(-(pos + CHUNK) // prof.attention_tile) for pos in range(0, len(ids), CHUNK))
+    b, bulk = prof.attention_tile, BULK_TILES * prof.attention_tile  # whole bulk tiles before the chunk, then tiles
+    want_calls = sum(n_attn * (pos // bulk + -(-(pos + CHUNK - pos // bulk * bulk) // b)) for pos in range(0, len(ids), CHUNK))
     assert tiles.calls == want_calls
     cpu = hybrid_npu.load(text_tied.out)
     want_cpu = cpu.prefill_logits(ids)

@@ -56,8 +56,8 @@ def _context_problem(ctx: dict, profile) -> str | None:
 
 def check_tiles(path: Path, manifest: dict, profile) -> dict | None:
     """The export's NPU attention tile entry for the profile (None: no NPU prefill graphs for it): an
-    export whose NPU prefill predates tiles, or whose tiles take another size than the profile's, is
-    refused in one line naming the fix."""
+    export whose NPU prefill reads a fixed K/V (no tiles), or whose tiles take another size than the
+    profile's, is refused in one line naming the fix."""
     entry = manifest.get("npu", {}).get(profile.name)
     if not entry or not entry.get("parts"):
         return None

@@ -70,8 +70,8 @@ def add_arguments(p) -> None:
                                                          "disabled and report placement per graph")
     p.add_argument("--json", action="store_true", help="with --check-npu: print the report as JSON")
     p.add_argument("--max-context", type=int, metavar="N",
-                   help="with an NPU --profile: the K/V capacity (T_max) its NPU graphs are built for, instead of "
-                        "the profile's attention_capacity (rounded up to whole chunks)")
+                   help="refused: the NPU prefill reads any context in attention tiles, so only memory bounds the "
+                        "context (see --max-context-memory)")
     p.add_argument("--max-context-memory", metavar="SIZE", type=byte_size,
                    help="memory (e.g. 8G) for the closing table's largest context (default: available memory now)")
     p.add_argument("--no-parity", action="store_true",

@@ -33,7 +33,10 @@ from .mtp_drafter import export_mtp, read_mtp, trim_head
 from hybrid_npu import integrity
 from .manifest import FORMAT, MANIFEST, value_infos
 from .out_dir import check_output, finish_partial, make_partial, os_error_line, remove_stale_partials
-from .parts import htp_itemsize, plan_parts
+from hybrid_npu.kernels.attention_tile import BULK_TILES, emit_attention_tile
+from hybrid_npu.kernels.graph import GraphBuilder
+
+from .parts import cut_at_attention, htp_itemsize, plan_parts
 from .options import ExportOptions, ExportPlan
 from .qdq import quantize_parts, read_calibration
 from .step_graph import Kind, StepSpec, build_step_graph
@@ -93,7 +96,7 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     (float | int8 | int4: they only propose, so the output is the target's either way). With an NPU profile the NPU parts
     are quantised too: npu_quant "qdq" (default; w8a16/w4a16 calibrated on the text file
     `calibration`, export/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
-    max_context: the NPU graphs' K/V capacity T_max instead of the profile's (whole chunks).
+    max_context: refused (the NPU prefill reads any context in tiles; the memory plan bounds it).
     drafter "mtp": the checkpoint's own MTP head (`mtp.*`) drafts (export/mtp_drafter.py), in mtp/;
     a directory: an EAGLE-3 drafter, in drafter/. mtp (a directory whose safetensors hold `mtp.*`
     trained for this target): an MTP drafter too, beside the EAGLE-3 one (which stays the default).
@@ -219,40 +222,52 @@ def _check_nbits_widths(cfg: ModelConfig, block: int) -> None:
 
 
 def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) -> tuple[int | None, str | None]:
-    """(T_max for the NPU graphs from --max-context, rounded up to whole chunks; a note if rounded),
-    or (None, None) to keep the profile's. NPU chunks start at multiples of C from an empty
-    context, so rows past the last whole chunk would never be used."""
-    if max_context is None:
+    """(the NPU verify graph's K/V capacity T_max, a note) when the profile's attention_capacity passes
+    the model's max_position_embeddings (whole chunks below it: no graph for positions the model does
+    not have), else (None, None). The prefill reads any context in tiles; --max-context is refused."""
+    if max_context is not None:
+        raise UserError("--max-context is gone: the NPU prefill reads any context in attention tiles (the "
+                        "profile's attention_tile), so only memory bounds the context; drop it (--max-context-memory "
+                        "SIZE shows the largest context a memory size allows)")
+    if prof is None or not prof.has_npu or prof.attention_capacity <= cfg.max_position_embeddings:
         return None, None
-    if max_context < 1:
-        raise UserError(f"--max-context must be a positive number of tokens (got {max_context})")
-    if prof is None or not prof.has_npu:
-        raise UserError("--max-context sets the NPU graphs' K/V capacity (T_max): give an NPU --profile too "
-                        "(the CPU graphs take any context the memory allows)")
-    if max_context > cfg.max_position_embeddings:
-        raise UserError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
-                        f"{cfg.max_position_embeddings}; give at most that")
-    t_max = max(-(-max_context // chunk) * chunk, chunk)
-    if t_max > cfg.max_position_embeddings:
-        t_max -= chunk
-    note = None if t_max == max_context else f"--max-context {max_context} -> {t_max} (whole {chunk}-token chunks)"
-    return t_max, note
+    t_max = max(cfg.max_position_embeddings // chunk * chunk, chunk)
+    return t_max, (f"NPU verify K/V capacity {prof.attention_capacity} -> {t_max}: the model has "
+                   f"{cfg.max_position_embeddings} positions")
 
 
 def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, graphs: dict, npu_specs: dict,
-                        part_suffixes: list[str], quant, calib: tuple[list[int], dict], say) -> dict:
+                        part_suffixes: dict[str, list[str]], quant, calib: tuple[list[int], dict], say) -> dict:
     """The float NPU parts in float_dir -> their QDQ twins in graphs_dir (export/qdq.py), calibrated
     per graph (prefill chunks, verify trees); float_dir is removed. Returns the manifest entry."""
     ids, source = calib
     say(f"calibrating the NPU parts on {source['file']} ({source['tokens']} tokens)")
     for graph, spec in npu_specs.items():
-        names = [graph + suffix for suffix in part_suffixes]
+        names = [graph + suffix for suffix in part_suffixes[graph]]
         qdq = quantize_parts(cfg, [float_dir / f"{nm}.onnx" for nm in names], [graphs_dir / f"{nm}.onnx" for nm in names],
                              ids, spec.n, spec.traits.tree, quant.bits, say, head_bits=quant.head_bits)
         for nm in names:
             graphs[nm]["nodes"] = len(onnx.load(str(graphs_dir / f"{nm}.onnx"), load_external_data=False).graph.node)
     shutil.rmtree(float_dir)
     return {**qdq, "calibration": source}
+
+
+def _write_tile_graph(cfg: ModelConfig, graphs_dir: Path, prof, chunk: int) -> dict:
+    """The NPU's attention tile (kernels/attention_tile.py) and its bulk form (BULK_TILES tiles a call):
+    no weights, so one graph of each serves every layer; never more rows than the model has positions."""
+    nkv = cfg.num_key_value_heads
+    rows = min(prof.attention_tile, cfg.max_position_embeddings)
+    bulk = min(BULK_TILES * rows, cfg.max_position_embeddings // rows * rows)
+    entry = {}
+    for key, name, n_rows in (("", f"attention_tile.{prof.name}", rows), ("bulk_", f"attention_bulk.{prof.name}", bulk)):
+        if key and n_rows <= rows:
+            break
+        g = GraphBuilder(name)
+        emit_attention_tile(g, n=chunk, group=cfg.num_attention_heads // nkv, nkv=nkv, hd=cfg.head_dim, tile=n_rows)
+        model = g.model()
+        onnx.save_model(model, graphs_dir / f"{name}.onnx")
+        entry.update({f"{key}file": f"graphs/{name}.onnx", f"{key}rows": n_rows, f"{key}nodes": len(model.graph.node)})
+    return {**entry, "n": chunk, "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
 
 
 def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple[list[int], dict] | None = None,
@@ -271,15 +286,21 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
     specs = graph_specs(chunk, verify)
     if final_tap:  # an MTP drafter reads the residual after the last layer from every graph
         specs = {name: dataclasses.replace(spec, final_tap=True) for name, spec in specs.items()}
-    parts, npu_graphs = [], []  # the NPU's layer ranges; the graphs cut along them (prefill, verify)
+    parts, npu_graphs = {}, []  # graph -> the NPU's (first, end, after_attention, to_attention) layer ranges
     if prof is not None and prof.has_npu:
-        parts = plan_parts(cfg, prof.part_weight_bytes, 1 if quant is not None else htp_itemsize(prof))
+        weight_parts = plan_parts(cfg, prof.part_weight_bytes, 1 if quant is not None else htp_itemsize(prof))
         npu_graphs = ["prefill"] + (["verify"] if prof.verify_device == "npu" else [])
+        # prefill: cut again at every attention core, which runs on the host's tile calls between the
+        # segments; the NPU verify keeps whole layers (its K/V capacity T_max, the CPU past it)
+        parts = {"prefill": cut_at_attention(cfg, weight_parts),
+                 "verify": [(a, b, False, False) for a, b in weight_parts]}
         for graph in npu_graphs:
-            for k, (a, b) in enumerate(parts):
-                specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(specs[graph], first_layer=a,
-                                                                            end_layer=b, npu=True)
-        say(f"profile {prof.name}: {len(parts)} NPU part(s), layers {parts}")
+            for k, (a, b, after, to) in enumerate(parts[graph]):
+                specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(
+                    specs[graph], first_layer=a, end_layer=b, npu=True, after_attention=after, to_attention=to)
+        say(f"profile {prof.name}: {len(weight_parts)} NPU part(s), layers {weight_parts}; prefill in "
+            f"{len(parts['prefill'])} segments around the attention cores, attention in tiles of "
+            f"{prof.attention_tile} rows")
     builders = {name: build_step_graph(cfg, npu_plan if spec.npu else plan, spec, name) for name, spec in specs.items()}
     say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")
     placements = plan.write(graphs_dir / WEIGHTS_FILE)
@@ -303,7 +324,8 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
     npu_weights = None
     if qdq:
         npu_weights = _quantize_npu_parts(cfg, qdq_dir, graphs_dir, graphs, {g: specs[g] for g in npu_graphs},
-                                          [f".{prof.name}.part{k}" for k in range(len(parts))], quant, calib, say)
+                                          {g: [f".{prof.name}.part{k}" for k in range(len(parts[g]))] for g in npu_graphs},
+                                          quant, calib, say)
     npu = {}
     if parts:
         entry = npu[prof.name] = {"attention_capacity": prof.attention_capacity, "chunk": chunk,
@@ -312,10 +334,15 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
                                                      {"method": "float"})}
         for graph in npu_graphs:
             parts_key, context_key = NPU_GRAPHS[graph]  # where the runtime looks them up
-            entries = [{**graphs.pop(f"{graph}.{prof.name}.part{k}"), "layers": [a, b]} for k, (a, b) in enumerate(parts)]
+            entries = [{**graphs.pop(f"{graph}.{prof.name}.part{k}"), "layers": [a, b],
+                        **({"after_attention": after, "to_attention": to} if graph == "prefill" else {})}
+                       for k, (a, b, after, to) in enumerate(parts[graph])]
             entry[parts_key] = entries
             entry[context_key] = compile_contexts(tmp, [p["file"] for p in entries], prof, specs[graph].n,
                                                   say) if compile_context else None
+        entry["tile"] = _write_tile_graph(cfg, graphs_dir, prof, chunk)
+        tiles = [entry["tile"][k] for k in ("file", "bulk_file") if k in entry["tile"]]
+        entry["tile_context"] = compile_contexts(tmp, tiles, prof, chunk, say) if compile_context else None
     tokenizer_files = []
     for f in TOKENIZER_FILES:
         if (ck.path / f).exists():

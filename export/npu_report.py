@@ -29,6 +29,9 @@ def check_export(export_dir, profile, progress: Callable[[str], None] | None = N
         files = npu_part_files(path, manifest, prof)
     except NpuUnavailable as e:
         raise UserError(str(e)) from None
+    tile = manifest.get("npu", {}).get(prof.name, {}).get("tile")
+    # the attention tile graphs between the prefill's segments
+    files = files + [tile[k] for k in ("file", "bulk_file") if tile and k in tile]
     free = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + int(manifest["chunk"])}
     reports = []
     for k, f in enumerate(files, 1):

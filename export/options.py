@@ -37,7 +37,7 @@ class ExportOptions:
     block_size: int | None = None          # with weights: weights per quantisation block
     asymmetric: bool = False               # with weights: a zero point per block
     head_bits: int | None = None           # with weights: the lm_head's bits
-    max_context: int | None = None         # with an NPU profile: its graphs' K/V capacity T_max
+    max_context: int | None = None         # refused (export/exporter.npu_capacity): tiles read any context
     npu_quant: str | None = None           # with weights and an NPU profile: qdq | nbits
     calibration: str | Path | None = None  # with qdq: the text the activation ranges are measured on
 

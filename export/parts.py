@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybrid_npu.config import ModelConfig
+from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 
 from .checkpoint import expected_shapes
@@ -53,3 +53,18 @@ def plan_parts(cfg: ModelConfig, budget: int, itemsize: int) -> list[tuple[int, 
     if used + head > budget:
         parts.append((cfg.num_layers, cfg.num_layers))
     return parts
+
+
+def cut_at_attention(cfg: ModelConfig, parts: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool]]:
+    """The weight parts cut again at every attention core (docs/long-context.md): (start, end,
+    after_attention, to_attention) segments, the host running each core's tiles between two of
+    them. A part holding k attention layers becomes k + 1 segments."""
+    segments = []
+    for start, end in parts:
+        after = False
+        for i in range(start, end):
+            if cfg.layer_types[i] != LINEAR and not (after and i == start):
+                segments.append((start, i + 1, after, True))
+                start, after = i, True
+        segments.append((start, end, after, False))
+    return segments

@@ -91,6 +91,10 @@ class StepSpec:
     tree_sizes: tuple[int, ...] = ()  # SIZED_VERIFY: the tree sizes, the largest n
     final_tap: bool = False           # also tap.{L}: the residual after the last layer (before the final
     #                                   norm), every row: what an MTP drafter reads (export/mtp_drafter.py)
+    after_attention: bool = False     # a tiled NPU segment: the first layer's attention core ran on the host
+    #                                   (in: hidden_in = the residual entering it, attn_out/attn_gate)
+    to_attention: bool = False        # a tiled NPU segment: stop at the last layer's attention core (out:
+    #                                   hidden_out = the residual entering it, attn_q, attn_gate, new K/V)
 
     def __post_init__(self):
         t = self.traits
@@ -98,6 +102,8 @@ class StepSpec:
             raise ValueError(f"a {self.kind.value} graph is the whole model's")
         if self.npu and t.ops != "plain":
             raise ValueError(f"a {self.kind.value} graph runs on the CPU only (its ops are ORT's CPU kernels)")
+        if (self.after_attention or self.to_attention) and (self.kind != Kind.PREFILL or not self.npu):
+            raise ValueError("only an NPU prefill part is cut at the attention cores")
         if self.kind == Kind.DECODE and self.n != 1:
             raise ValueError("a decode graph takes one token")
         if self.kind == Kind.ANY_N and self.n < 2:
@@ -261,7 +267,10 @@ class _Builder:
         layers = spec.layers(c)
         gdn_layers = [i for i in layers if c.layer_types[i] == LINEAR]
         attn_layers = [i for i in layers if c.layer_types[i] != LINEAR]
-        if spec.first_layer == 0:
+        resumed = layers.start if spec.after_attention else None  # its core ran on the host
+        stopped = layers.stop - 1 if spec.to_attention else None  # its core runs on the host next
+        cores = [i for i in attn_layers if i not in (resumed, stopped)]  # read the past K/V in this graph
+        if spec.first_layer == 0 and resumed is None:
             ids = g.input("input_ids", np.int64, [n])
             if self.traits.rows != "static":  # which cores run: by the call's token count
                 self._count_cases(ids)
@@ -277,20 +286,29 @@ class _Builder:
             self.valid = g.unsqueeze(g.input("token_valid", np.float32, [n]), [1])
             if self.traits.rows == "any":  # a one-token call need not feed it (its default: valid)
                 g.initializers["token_valid"] = np.ones(1, np.float32)
-        if attn_layers:
+        self.attn_mask = None
+        if cores or stopped is not None:
             rd = c.rotary_dim
             self.cos = g.unsqueeze(g.input("rope_cos", np.float32, [n, rd]), [1])
             self.sin = g.unsqueeze(g.input("rope_sin", np.float32, [n, rd]), [1])
+        if cores:
             self.attn_mask = g.input("attn_mask", np.float32, [n, MASK_LEN])
         if gdn_layers:
             self._gdn_selections()
         down = None  # the last MLP's output, added to the residual together with the next norm
         for i in layers:
             p = f"layers.{i}."
-            x, h = self.add_norm1p(x, down, p + "input_layernorm.weight")
-            if i in c.tap_layers:
-                g.output(x, f"tap.{i}", np.float32, [n, c.hidden_size])
-            mixed = self.gdn(h, i) if c.layer_types[i] == LINEAR else self.attention(h, i)
+            if i == resumed:
+                mixed = self.attention_after_core(i)
+            else:
+                x, h = self.add_norm1p(x, down, p + "input_layernorm.weight")
+                if i in c.tap_layers:
+                    g.output(x, f"tap.{i}", np.float32, [n, c.hidden_size])
+                if i == stopped:
+                    self.attention_to_core(h, i)
+                    g.output(x, "hidden_out", np.float32, [n, c.hidden_size])
+                    return g
+                mixed = self.gdn(h, i) if c.layer_types[i] == LINEAR else self.attention(h, i)
             x, h = self.add_norm1p(x, mixed, p + "post_attention_layernorm.weight")
             gate, up = self.linear(h, p + "mlp.gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                                    c.hidden_size, [c.intermediate_size] * 2)
@@ -416,20 +434,55 @@ class _Builder:
         g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
         return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
 
-    def _attention_core(self, qg, k, v, past_k, past_v, a: str, *, n: int):
-        """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""
+    def _attention_inputs(self, qg, k, v, a: str, n: int):
+        """The projections -> (q [n, nH, hd] normed and rotated, gate [n, nH·hd], new K, new V [nKV, n, hd])."""
         c, g = self.cfg, self.g
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         rows = -1 if n is None else n  # None: any count (_count_cases)
         q, gate = g.split(g.reshape(qg, [rows, nh, 2 * hd]), [hd, hd], axis=-1)  # interleaved per head (docs/qwen35-model.md trap 2)
-        cos, sin, mask = self.attention_rows(n)
+        cos, sin, _ = self.attention_rows(n)
         q = emit_partial_rope(g, self.norm1p(q, a + "q_norm.weight", hd), cos, sin, hd, c.rotary_dim)
         k = emit_partial_rope(g, self.norm1p(g.reshape(k, [rows, nkv, hd]), a + "k_norm.weight", hd),
                               cos, sin, hd, c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [rows, nkv, hd]), [1, 0, 2])
-        attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd)
-        gated = g.op("Mul", g.reshape(attn, [rows, nh * hd]), g.op("Sigmoid", g.reshape(gate, [rows, nh * hd])))
+        return q, g.reshape(gate, [rows, nh * hd]), new_k, new_v
+
+    def _attention_core(self, qg, k, v, past_k, past_v, a: str, *, n: int):
+        """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""
+        c, g = self.cfg, self.g
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        rows = -1 if n is None else n
+        q, gate, new_k, new_v = self._attention_inputs(qg, k, v, a, n)
+        attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, self.attention_rows(n)[2], n=n, nh=nh,
+                                  nkv=nkv, hd=hd)
+        gated = g.op("Mul", g.reshape(attn, [rows, nh * hd]), g.op("Sigmoid", gate))
         return gated, new_k, new_v
+
+    def attention_to_core(self, h: str, i: int) -> None:
+        """A tiled segment's end: what the host's tile calls read (kernels/attention_tile.py) and what the
+        next segment takes back. attn_q holds query head k·G + j's rows at j·n.. of KV head k."""
+        c, g, n = self.cfg, self.g, self.n
+        a = f"layers.{i}.self_attn."
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qg, k, v = self.linear(h, a + "qkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                               c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
+        q, gate, new_k, new_v = self._attention_inputs(qg, k, v, a, n)
+        grouped = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, nh // nkv * n, hd])
+        g.output(grouped, f"attn_q.{i}", np.float32, [nkv, nh // nkv * n, hd])
+        g.output(gate, f"attn_gate.{i}", np.float32, [n, nh * hd])
+        g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
+        g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
+
+    def attention_after_core(self, i: int) -> str:
+        """A tiled segment's start: the host's attention output back in token order, gated, projected."""
+        c, g, n = self.cfg, self.g, self.n
+        a = f"layers.{i}.self_attn."
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        out = g.input(f"attn_out.{i}", np.float32, [nkv, nh // nkv * n, hd])
+        gate = g.input(f"attn_gate.{i}", np.float32, [n, nh * hd])
+        attn = g.reshape(g.transpose(g.reshape(out, [nh, n, hd]), [1, 0, 2]), [n, nh * hd])
+        gated = g.op("Mul", attn, g.op("Sigmoid", gate))
+        return self.linear(gated, a + "o_proj", [a + "o_proj.weight"], nh * hd, [c.hidden_size])[0]
 
     def head(self, x: str) -> None:
         c, g = self.cfg, self.g

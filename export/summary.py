@@ -98,9 +98,10 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
              ("K/V", f"{cfg.kv_bytes_per_token():,} B per token ({len(cfg.full_layers)} attention layers)"),
              ("max context", context)]
     for name, npu in manifest.get("npu", {}).items():
-        why = f"--max-context {npu['max_context']}" if npu.get("max_context") else "the profile's"
-        facts.append((f"NPU {name}", f"{len(npu['parts'])} part(s), T_max {npu['attention_capacity']:,} tokens "
-                                     f"({why}), chunk {npu['chunk']}"))
+        tile = npu.get("tile")
+        reads = (f"attention in tiles of {tile['rows']:,} rows (any context)" if tile else
+                 f"T_max {npu['attention_capacity']:,} tokens")
+        facts.append((f"NPU {name}", f"{len(npu['parts'])} prefill part(s), {reads}, chunk {npu['chunk']}"))
         q = npu.get("weights", {})
         if q.get("method") == "qdq":
             c = q["calibration"]

@@ -76,6 +76,9 @@ SCHEMA: dict[str, dict[str, _Key]] = {
         "verify_tree_size": _Key(int, "64", lo=2, hi=512),
         "attention_capacity": _Key(int, "16384", lo=2, hi=INT32_MAX),
         "part_weight_bytes": _Key(int, "1_500_000_000", lo=1, hi=2**63 - 1),
+        # key rows per NPU attention tile (docs/long-context.md); NPU profiles only. At most 32,768: a
+        # tile's softmax sum (<= its rows) stays inside fp16 on the HTP
+        "attention_tile": _Key(int, "2048", lo=8, hi=32768),
     },
     "memory": {
         "budget_bytes": _Key(int, "0", lo=0, hi=2**63 - 1),
@@ -92,6 +95,7 @@ FLAT_FIELDS = {
     "verify_tree_size": ("shapes", "verify_tree_size"),
     "attention_capacity": ("shapes", "attention_capacity"),
     "part_weight_bytes": ("shapes", "part_weight_bytes"),
+    "attention_tile": ("shapes", "attention_tile"),
     "memory_budget_bytes": ("memory", "budget_bytes"),
     "npu_prefill_min_tokens": ("dispatch", "npu_prefill_min_tokens"),
     "verify_device": ("dispatch", "verify_device"),
@@ -120,6 +124,7 @@ class Profile:
     verify_tree_size: int
     attention_capacity: int
     part_weight_bytes: int
+    attention_tile: int                  # key rows per NPU attention tile; 0 when there is no [npu] table
     memory_budget_bytes: int             # 0 = auto (psutil available memory minus a margin)
     npu_prefill_min_tokens: int          # 0 when there is no [npu] table (never used then)
     verify_device: str
@@ -152,7 +157,7 @@ class Profile:
         if self.npu is not None:
             d["npu"] = dataclasses.asdict(self.npu)
         for f, (table, key) in FLAT_FIELDS.items():
-            if f == "npu_prefill_min_tokens" and self.npu is None:
+            if f in ("npu_prefill_min_tokens", "attention_tile") and self.npu is None:
                 continue
             d.setdefault(table, {})[key] = getattr(self, f)
         return d
@@ -311,7 +316,7 @@ def _from_data(data: dict, path: Path) -> Profile:
         if want is not None and want != npu.htp_arch:
             raise UserError(f"profile {path}: [npu] soc_model = {npu.soc_model} is a v{want} chip but htp_arch = "
                             f"{npu.htp_arch}; set htp_arch = {want} or correct soc_model")
-    shapes = _check_table(data["shapes"], "shapes", path)
+    shapes = _check_table(data["shapes"], "shapes", path, skip=() if npu else ("attention_tile",))
     memory = _check_table(data["memory"], "memory", path)
     dispatch_data = data["dispatch"]
     if npu is None and "npu_prefill_min_tokens" in dispatch_data:
@@ -331,7 +336,7 @@ def _from_data(data: dict, path: Path) -> Profile:
         name=top["name"], description=top["description"], source=path, npu=npu,
         prefill_chunk=shapes["prefill_chunk"], verify_tree_size=shapes["verify_tree_size"],
         attention_capacity=shapes["attention_capacity"], part_weight_bytes=shapes["part_weight_bytes"],
-        memory_budget_bytes=memory["budget_bytes"],
+        attention_tile=shapes.get("attention_tile", 0), memory_budget_bytes=memory["budget_bytes"],
         npu_prefill_min_tokens=dispatch.get("npu_prefill_min_tokens", 0),
         verify_device=dispatch["verify_device"],
     )

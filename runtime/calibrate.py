@@ -21,6 +21,7 @@ import numpy as np
 
 from hybrid_npu.cli_common import OneLineParser, path_arg
 from hybrid_npu.errors import UserError
+from hybrid_npu.profiles.loader import INT32_MAX
 
 
 def _prefill_rate(engine, ids) -> float:
@@ -56,13 +57,15 @@ def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps:
     if npu is not None:
         npu.prefill_mode = "npu"
         rates = []
+        tiled = npu._tiled("npu_prefill")  # tiles read any length; else the NPU stops at T_max
         for n in lengths:
-            if n > prof.attention_capacity:
+            if n > prof.attention_capacity and not tiled:
                 rates.append(None)
                 continue
             rates.append(round(_prefill_rate(npu, list(rng.integers(0, vocab, n))), 2))
         result["npu_prefill_tokens_per_s"] = rates
-        threshold = prof.attention_capacity + 1  # never, unless the NPU wins from some length on
+        # never, unless the NPU wins from some length on
+        threshold = INT32_MAX if tiled else prof.attention_capacity + 1
         for i in range(len(lengths) - 1, -1, -1):
             if rates[i] is None or rates[i] < result["cpu_prefill_tokens_per_s"][i]:
                 break

@@ -164,7 +164,7 @@ class Engine:
         if damaged and entry:
             print(f"hybrid-npu: QNN context binary unusable: {damaged[0]} is missing or differs from what the "
                   "export recorded; compiling from the ONNX graphs", file=sys.stderr)
-            entry["context"] = entry["verify_context"] = None
+            entry["context"] = entry["verify_context"] = entry["tile_context"] = None
 
     def _open_npu(self) -> None:
         """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max;
@@ -234,7 +234,8 @@ class Engine:
         n = self.manifest["graphs"]["decode" if graph == "decode" else "prefill"]["n"]
         self._check_ids(ids)
         self.state.ensure_capacity(self.state.position + n)
-        out = self.pipelines[graph].run(chain_feed(self.config, self.state, ids, n))
+        # the tiled NPU prefill masks each tile itself: no [N, T] mask over the whole context
+        out = self.pipelines[graph].run(chain_feed(self.config, self.state, ids, n, mask=not self._tiled(graph)))
         commit_chain(self.state, out, ids)
         if self.drafter is not None and graph != "decode":
             self._feed_drafter(ids, self._taps(out, np.arange(len(ids))))
@@ -343,10 +344,16 @@ class Engine:
         if bad:
             raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
 
+    def _tiled(self, graph: str) -> bool:
+        """Whether `graph` is the NPU prefill that reads attention in tiles (runtime/npu_attention.py)."""
+        return graph == "npu_prefill" and getattr(self.pipelines.get(graph), "tiled", None) is not None
+
     def _npu_fits(self) -> bool:
-        """An NPU chunk needs the planned K/V capacity and room for C more rows in it."""
-        return ("npu_prefill" in self.pipelines
-                and self.state.position + self.chunk <= self.profile.attention_capacity)
+        """A tiled NPU prefill takes a chunk at any position; one reading a fixed K/V needs room for C
+        more rows in its T_max."""
+        if "npu_prefill" not in self.pipelines:
+            return False
+        return self._tiled("npu_prefill") or self.state.position + self.chunk <= self.profile.attention_capacity
 
     def prefill_device(self, n_tokens: int) -> str:
         """The device a prefill of n_tokens is sent to (known before its first chunk, for progress)."""
@@ -360,7 +367,8 @@ class Engine:
     def prefill(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
                 checkpoint_at=()) -> np.ndarray:
         """Append `ids` to the context in chunks of C; returns the logits after the last one.
-        Chunks go to the NPU when the profile says so and the planned K/V capacity has room.
+        Chunks go to the NPU when the profile says so: at any position where its prefill reads attention
+        in tiles, else while its T_max has room.
         checkpoint_at: context positions at which to keep a turn checkpoint (a chunk ends there)."""
         if not ids:
             raise UserError("empty prompt: give at least one token")
@@ -376,8 +384,8 @@ class Engine:
                 marks.pop(0)
             end = min(start + self.chunk, len(ids), *marks[:1])
             on_npu = npu and self._npu_fits()
-            if on_npu and self.state.capacity != self.profile.attention_capacity:
-                self.state.resize(self.profile.attention_capacity)  # the NPU graphs read exactly T_max rows
+            if on_npu and not self._tiled("npu_prefill") and self.state.capacity != self.profile.attention_capacity:
+                self.state.resize(self.profile.attention_capacity)  # untiled NPU graphs read exactly T_max rows
             devices.append(NPU_DEVICE if on_npu else CPU_DEVICE)
             logits = self._step("npu_prefill" if on_npu else "prefill", list(ids[start:end]))
             start = end

@@ -1,15 +1,18 @@
 """Open an NPU pipeline of an export for a profile, prefill or tree verify: its parts (or the
 whole graph when it fits one part), from precompiled QNN context binaries when they match this
 machine's QNN and the profile's SoC, else compiled from the ONNX graphs at the profile's static
-shapes (N tokens, past K/V = T_max rows)."""
+shapes (N tokens; the prefill's segments with the attention tile graph between them, B rows a
+tile; the verify graph's past K/V = T_max rows)."""
 from __future__ import annotations
 
 import dataclasses
 import sys
 from pathlib import Path
 
+from hybrid_npu.errors import UserError
 from hybrid_npu.format import MASK_DIM, NPU_GRAPHS, PAST_DIM
 
+from .npu_attention import TileAttention
 from .pipeline import Pipeline
 from .qnn import NpuUnavailable, qnn_session, qnn_session_options, qnn_version
 
@@ -51,11 +54,29 @@ def _context_problem(ctx: dict, profile) -> str | None:
     return None
 
 
-def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill") -> Pipeline:
-    files = npu_part_files(path, manifest, profile, graph)
-    n = int(manifest["chunk"]) if graph == "prefill" else int(manifest["graphs"]["verify"]["n"])
+def check_tiles(path: Path, manifest: dict, profile) -> dict | None:
+    """The export's NPU attention tile entry for the profile (None: no NPU prefill graphs for it): an
+    export whose NPU prefill reads a fixed K/V (no tiles), or whose tiles take another size than the
+    profile's, is refused in one line naming the fix."""
+    entry = manifest.get("npu", {}).get(profile.name)
+    if not entry or not entry.get("parts"):
+        return None
+    fix = f"re-export with: export-hybrid SOURCE {path} --profile {profile.name}"
+    tile = entry.get("tile")
+    if not tile:
+        raise UserError(f"{path} has NPU graphs for profile {profile.name} that read a fixed K/V of "
+                        f"{entry.get('attention_capacity')} rows, not attention tiles; {fix}")
+    built = entry.get("profile", {}).get("shapes", {}).get("attention_tile")
+    if built != profile.attention_tile:
+        raise UserError(f"{path}'s NPU attention tiles were built for attention_tile = {built}, but profile "
+                        f"{profile.name} says {profile.attention_tile}; set attention_tile = {built} in the "
+                        f"profile or {fix}")
+    return tile
+
+
+def _sessions(path: Path, files: list[str], ctx: dict | None, profile, free_dims: dict) -> tuple[list, bool]:
+    """Sessions of `files` from their context binaries when those match, else compiled from the graphs."""
     options = profile.qnn_provider_options()
-    ctx = manifest.get("npu", {}).get(profile.name, {}).get(NPU_GRAPHS[graph][1])
     problem = _context_problem(ctx, profile) if ctx else "none"
     sessions = []
     for i, f in enumerate(files):
@@ -72,14 +93,36 @@ def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill
             print(f"hybrid-npu: {why}; compiling from the ONNX graphs for the NPU ({graph}, a minute or two; "
                   "once per run: the engine keeps it)", file=sys.stderr, flush=True)
         if session is None:
-            t_max = profile.attention_capacity
-            so = qnn_session_options(options, {PAST_DIM: t_max, MASK_DIM: t_max + n})
+            so = qnn_session_options(options, free_dims)
             try:
                 session = qnn_session(str(path / f), so)
             except Exception as e:  # a node the HTP refuses (CPU fallback is off): the CPU takes over
                 raise NpuUnavailable(f"the HTP refused {f} ({str(e).splitlines()[0][:160]}); re-export with: "
                                      f"export-hybrid SOURCE {path} --profile {profile.name}") from None
         sessions.append(session)
-    pipe = Pipeline(sessions, NPU_DEVICE, files)
-    pipe.from_context = problem is None
+    return sessions, problem is None
+
+
+def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill") -> Pipeline:
+    """prefill: the segments cut at the attention cores with the tile graph between them where the
+    export has them (any context); else one graph or parts reading T_max past rows (verify, and a
+    float export with no NPU graphs of its own)."""
+    files = npu_part_files(path, manifest, profile, graph)
+    n = int(manifest["chunk"]) if graph == "prefill" else int(manifest["graphs"]["verify"]["n"])
+    entry = manifest.get("npu", {}).get(profile.name, {})
+    t_max = profile.attention_capacity
+    tile = check_tiles(path, manifest, profile) if graph == "prefill" else None
+    sessions, from_context = _sessions(path, files, entry.get(NPU_GRAPHS[graph][1]), profile,
+                                       {PAST_DIM: t_max, MASK_DIM: t_max + n})
+    if tile is None:
+        pipe = Pipeline(sessions, NPU_DEVICE, files)
+        pipe.tiled = None
+    else:
+        tile_files = [tile[k] for k in ("file", "bulk_file") if k in tile]
+        tile_sessions, tile_from_context = _sessions(path, tile_files, entry.get("tile_context"), profile, {})
+        bulk = (tile_sessions[1], int(tile["bulk_rows"])) if len(tile_sessions) > 1 else None
+        pipe = Pipeline(sessions, NPU_DEVICE, files, attend=TileAttention(tile_sessions[0], int(tile["rows"]), n, bulk))
+        pipe.tiled = pipe.attend
+        from_context = from_context and tile_from_context
+    pipe.from_context = from_context
     return pipe

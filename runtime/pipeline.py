@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .memory import prepacks
+from .npu_attention import feed_attention
 from .session_options import cpu_inference_session, session_options
 
 
@@ -56,8 +57,11 @@ def _state_units(feed: dict, wanted: set[str], npu: bool) -> dict[str, np.ndarra
 
 
 class Pipeline:
-    def __init__(self, sessions: list[ort.InferenceSession], device: str, files: list[str] | None = None):
-        self.sessions, self.device, self.files = sessions, device, files or []
+    def __init__(self, sessions: list[ort.InferenceSession], device: str, files: list[str] | None = None,
+                 attend=feed_attention):
+        """attend(layer, result, feed) -> attn_out: the attention core between two segments of a tiled
+        NPU prefill (runtime/npu_attention.py), run where a part hands out attn_q.{layer}."""
+        self.sessions, self.device, self.files, self.attend = sessions, device, files or [], attend
         # overridable initializers: inputs with a default (the any-N graph's chunk-only inputs)
         self._inputs = [{i.name for i in (*s.get_inputs(), *s.get_overridable_initializers())} for s in sessions]
         self._outputs = [[o.name for o in s.get_outputs()] for s in sessions]
@@ -81,5 +85,9 @@ class Pipeline:
                         result[name] = result[name] * unit
             if "hidden_out" in result:
                 feed["hidden_in"] = result.pop("hidden_out")
+            for name in [k for k in result if k.startswith("attn_q.")]:
+                layer = name.split(".", 1)[1]
+                feed[f"attn_out.{layer}"] = self.attend(int(layer), result, feed)
+                feed[f"attn_gate.{layer}"] = result.pop(f"attn_gate.{layer}")
             out.update(result)
         return out

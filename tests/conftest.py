@@ -79,15 +79,16 @@ def qwen3_next(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def htp_profile(tmp_path_factory):
-    """The X Elite profile sized for the emulator: T_max 64 (the tiny prompts fit), finalization
-    mode 1 (compiles 2-8x faster, docs/htp-traps.md). A user profile file, as users write them."""
+    """The X Elite profile sized for the emulator: T_max 96 (the tiny prompts fit the NPU verify), attention
+    tiles of 16 rows (a 128-token prompt is 8 tiles), finalization mode 1 (compiles 2-8x faster,
+    docs/htp-traps.md). A user profile file, as users write them."""
     import re
 
     from hybrid_npu.profiles.loader import load_profile
 
     text = load_profile("snapdragon-x-elite").source.read_text()
     for key, value in (("name", '"test-htp"'), ("attention_capacity", "96"), ("graph_finalization", "1"),
-                       ("prefill_chunk", str(CHUNK))):
+                       ("prefill_chunk", str(CHUNK)), ("attention_tile", "16")):
         text = re.sub(rf"(?m)^{key}\s*=\s*\S+", f"{key} = {value}", text)
     path = tmp_path_factory.mktemp("profiles") / "test-htp.toml"
     path.write_text(text)

@@ -52,7 +52,8 @@ def test_parts_give_the_same_outputs_as_unsplit(split_export):
     parts = manifest["npu"]["test-split"]["parts"]
     assert len(parts) >= 3
     layers = [p["layers"] for p in parts]
-    assert layers[0][0] == 0 and all(a[1] == b[0] for a, b in zip(layers, layers[1:]))
+    # contiguous, a segment that resumes after an attention core starting at the layer the one before ended in
+    assert layers[0][0] == 0 and all(a[1] == b[0] + q["after_attention"] for a, b, q in zip(layers, layers[1:], parts[1:]))
     engine = hybrid_npu.load(out)  # CPU sessions of the whole graph, and the config
     import onnxruntime as ort
     split = Pipeline([ort.InferenceSession(str(out / p["file"]), providers=["CPUExecutionProvider"]) for p in parts],
@@ -151,7 +152,9 @@ def test_check_npu_cli_reports_every_graph_on_the_htp(split_export):
     proc = subprocess.run([exe, "--check-npu", out, "--profile", prof], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
-    parts = json.loads((out / "model.json").read_text())["npu"]["test-split"]["parts"]
+    entry = json.loads((out / "model.json").read_text())["npu"]["test-split"]
+    # the prefill's segments and the attention tile graphs (a tile, and BULK_TILES tiles a call)
+    parts = entry["parts"] + [{"file": entry["tile"][k]} for k in ("file", "bulk_file")]
     assert len(lines) == len(parts)
     for line in lines:
         n, on = re.search(r"(\d+) nodes, (\d+) on HTP \(all on HTP\)", line).groups()
@@ -187,6 +190,9 @@ REAL_GRAPHS = {  # one graph per distinct shape: all GDN layers share one, all a
     "gdn_layer_verify": StepSpec(Kind.VERIFY, 64, first_layer=1, end_layer=2),
     "attention_layer_verify": StepSpec(Kind.VERIFY, 64, first_layer=3, end_layer=4),
     "embedding": StepSpec(Kind.PREFILL, 128, first_layer=0, end_layer=0),
+    # the tiled prefill's segments around an attention core (the core itself: test below)
+    "to_attention_core": StepSpec(Kind.PREFILL, 128, first_layer=1, end_layer=4, npu=True, to_attention=True),
+    "after_attention_core": StepSpec(Kind.PREFILL, 128, first_layer=3, end_layer=5, npu=True, after_attention=True),
     "head": StepSpec(Kind.PREFILL, 128, first_layer=24, end_layer=24),
 }
 
@@ -203,6 +209,30 @@ def test_real_qwen35_08b_graphs_place_entirely_on_the_htp(name, tmp_path):
     t = prof.attention_capacity
     r = compile_on_npu(path, opts, {PAST_DIM: t, MASK_DIM: t + REAL_GRAPHS[name].n})
     print(f"\n{name}: {r['nodes']} nodes, {r['on_htp']} on HTP, compile {r.get('compile_s')} s")
+    assert r["ok"], r
+    assert r["on_htp"] == r["nodes"]
+
+
+@pytest.mark.parametrize("tiles", [1, 8])
+def test_real_qwen35_08b_attention_tile_places_entirely_on_the_htp(tiles, tmp_path):
+    """The shipped X Elite profile's tile (2,048 rows) and its bulk form (BULK_TILES = 8 tiles a call) at
+    the 0.8B's attention shapes (128 queries, 2 KV heads of 4 query heads, hd 256): every node on the HTP."""
+    import onnx
+
+    from hybrid_npu.kernels.attention_tile import BULK_TILES, emit_attention_tile
+    from hybrid_npu.kernels.graph import GraphBuilder
+
+    assert tiles in (1, BULK_TILES)
+    cfg = qwen35_text_config("0.8B")
+    prof = load_profile("snapdragon-x-elite")
+    g = GraphBuilder("tile")
+    emit_attention_tile(g, n=prof.prefill_chunk, group=cfg.num_attention_heads // cfg.num_key_value_heads,
+                        nkv=cfg.num_key_value_heads, hd=cfg.head_dim, tile=tiles * prof.attention_tile)
+    onnx.save(g.model(), tmp_path / "tile.onnx")
+    r = compile_on_npu(tmp_path / "tile.onnx", {**prof.qnn_provider_options(),
+                                                "htp_graph_finalization_optimization_mode": "1"})
+    print(f"\nattention tile ({tiles * prof.attention_tile} rows): {r['nodes']} nodes, {r['on_htp']} on HTP, "
+          f"compile {r.get('compile_s')} s")
     assert r["ok"], r
     assert r["on_htp"] == r["nodes"]
 

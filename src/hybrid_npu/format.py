@@ -20,6 +20,8 @@ MASK_DIM = "past_len_plus_n"          # and the attention mask's width (those ro
 # the NPU graphs of a profile's manifest entry (model.json "npu" -> profile name): graph -> (its parts' key,
 # its precompiled contexts' key)
 NPU_GRAPHS = {"prefill": ("parts", "context"), "verify": ("verify_parts", "verify_context")}
+# the prefill's parts are segments cut at the attention cores ("after_attention"/"to_attention"); the entry's
+# "tile" is the attention tile graph between them ({file, rows, n}), "tile_context" its context binary
 # model.json graphs.cpu_verify: "sizes" its cores' tree sizes; with "any_count" true a call brings any
 # 2..n nodes (padded to a core size inside the graph), without it (older exports) exactly one of the sizes
 VERIFY_ANY_COUNT = "any_count"

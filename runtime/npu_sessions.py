@@ -74,7 +74,8 @@ def check_tiles(path: Path, manifest: dict, profile) -> dict | None:
     return tile
 
 
-def _sessions(path: Path, files: list[str], ctx: dict | None, profile, free_dims: dict) -> tuple[list, bool]:
+def _sessions(path: Path, files: list[str], ctx: dict | None, profile, free_dims: dict,
+              graph: str) -> tuple[list, bool]:
     """Sessions of `files` from their context binaries when those match, else compiled from the graphs."""
     options = profile.qnn_provider_options()
     problem = _context_problem(ctx, profile) if ctx else "none"
@@ -113,13 +114,14 @@ def open_npu_pipeline(path: Path, manifest: dict, profile, graph: str = "prefill
     t_max = profile.attention_capacity
     tile = check_tiles(path, manifest, profile) if graph == "prefill" else None
     sessions, from_context = _sessions(path, files, entry.get(NPU_GRAPHS[graph][1]), profile,
-                                       {PAST_DIM: t_max, MASK_DIM: t_max + n})
+                                       {PAST_DIM: t_max, MASK_DIM: t_max + n}, graph)
     if tile is None:
         pipe = Pipeline(sessions, NPU_DEVICE, files)
         pipe.tiled = None
     else:
         tile_files = [tile[k] for k in ("file", "bulk_file") if k in tile]
-        tile_sessions, tile_from_context = _sessions(path, tile_files, entry.get("tile_context"), profile, {})
+        tile_sessions, tile_from_context = _sessions(path, tile_files, entry.get("tile_context"), profile, {},
+                                                     "attention tiles")
         bulk = (tile_sessions[1], int(tile["bulk_rows"])) if len(tile_sessions) > 1 else None
         pipe = Pipeline(sessions, NPU_DEVICE, files, attend=TileAttention(tile_sessions[0], int(tile["rows"]), n, bulk))
         pipe.tiled = pipe.attend

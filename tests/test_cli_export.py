@@ -13,7 +13,6 @@ import torch
 
 import fixtures
 import hybrid_npu
-from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.parity import check_parity
 from hybrid_npu.cli_common import byte_size, human_bytes as human

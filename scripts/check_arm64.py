@@ -37,11 +37,23 @@ SUITE = "bookworm"
 RUNTIME_PACKAGES = ["numpy", "onnx", "onnxruntime", "safetensors", "tokenizers", "jinja2", "psutil",
                     "prompt_toolkit", "rich"]
 AARCH64_PLATFORMS = ["manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64"]
+# The emulated CPU: qemu's "max" has SVE and SME, which Snapdragon X's Oryon cores lack and under
+# which ONNX Runtime picks SME kernels that qemu runs over 10x slower; without them it advertises NEON,
+# dot product, i8mm and bf16, as Oryon does.
+QEMU_CPU = "max,sve=off,sme=off"
 IN_ROOT = "/opt/hybrid-npu"  # where the project, its wheels, the probe and the work go inside the root
-# relative max |arm64 - x86_64| / max |x86_64| over every compared logit row (docs/arm64.md):
-# fp32 sums in another order; int8/int4 exports quantise activations to int8 per block
-# (MatMulNBits accuracy_level 4), which ARM64 does with other kernels and its own rounding
-TOLERANCES = {"fp32": 1e-5, "int8": 5e-2, "int4": 5e-2}
+# relative max |arm64 - x86_64| / max |x86_64| over every compared logit row (docs/arm64.md has the
+# measured values). fp32 and the quantised exports multiplying in fp32 (accuracy_level 0): only the
+# order of sums differs, which this random fixture amplifies to ~1e-5 over 17 steps.
+TOLERANCES = {"fp32": 1e-4, "int8-fp32compute": 1e-4, "int4-fp32compute": 1e-4}
+# As shipped, int8/int4 round activations to int8 per block (accuracy_level 4), which the ARM64
+# kernels do their own way: ARM64 may differ from x86_64 by at most what that rounding moves the
+# logits on x86_64 at all (shipped against its fp32-multiplying copy, measured in the same run).
+ROUNDING_BOUND = {"int8": "int8-fp32compute", "int4": "int4-fp32compute"}
+# exports whose free-running greedy ids must be identical: those whose logits differ by far less than
+# this fixture's nearest top-2 gaps (~1e-3 of the peak). Shipped int4 is not among them: its 1-9%
+# difference flips a near-tie (docs/arm64.md); its logits are compared on the same fed tokens instead.
+GREEDY_EXACT = {"fp32", "int8-fp32compute", "int4-fp32compute", "int8"}
 CHUNK = 8
 # the probe's exact comparisons: greedy ids, the snapshot's continuation, rendered templates
 EXACT_KEYS = ["template_text", "template_ids", "embedded_plain", "embedded_speculative", "resumed_position", "resumed"]
@@ -55,8 +67,10 @@ class Unavailable(Exception):
     """The check cannot run on this host; str() is the one-line reason."""
 
 
-def run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, timeout=timeout, check=True, text=True, capture_output=True, **kw)
+def run(cmd: list[str], timeout: float, stream: bool = False, **kw) -> subprocess.CompletedProcess:
+    """cmd's stdout captured; its stderr too, or passed on as it comes (stream: a long run's progress)."""
+    return subprocess.run(cmd, timeout=timeout, check=True, text=True, stdout=subprocess.PIPE,
+                          stderr=None if stream else subprocess.PIPE, **kw)
 
 
 def tail(e: subprocess.CalledProcessError) -> str:
@@ -93,8 +107,9 @@ def host_ready() -> None:
     if not entry.exists():
         raise Unavailable("the kernel has no binfmt_misc entry for aarch64 (binfmt_misc not mountable here, "
                           "or qemu-user-static's entry not registered)")
-    text = entry.read_text()
-    if not text.startswith("enabled") or "F" not in next((ln for ln in text.splitlines() if ln.startswith("flags:")), ""):
+    lines = entry.read_text().splitlines()
+    flags = next((ln.split(":", 1)[1] for ln in lines if ln.startswith("flags:")), "")
+    if lines[:1] != ["enabled"] or "F" not in flags:
         raise Unavailable("binfmt_misc's qemu-aarch64 entry is disabled or lacks the F flag (the interpreter must be "
                           "opened at registration to run inside a chroot)")
 
@@ -202,16 +217,17 @@ def unmount(root: Path) -> None:
         subprocess.run(["umount", "-l", str(proc)], capture_output=True, timeout=60)
 
 
-def in_root(root: Path, cmd: list[str], timeout: float) -> str:
+def in_root(root: Path, cmd: list[str], timeout: float, stream: bool = False) -> str:
     """cmd inside the root, with its own /proc (ONNX Runtime's external-data check opens
     /proc/self/fd) and never the host's /sys (ORT's cpuinfo would read x86 CPU lists and crash)."""
     proc = root / "proc"
     if not mounted(proc):
         subprocess.run(["mount", "-t", "proc", "proc", str(proc)], check=True, timeout=60)
-    env = ["/usr/bin/env", "-i", "PATH=/usr/bin:/bin", "HOME=/tmp", "LANG=C.UTF-8", "PYTHONUTF8=1",
-           f"PYTHONPATH={IN_ROOT}/project:{IN_ROOT}/site"]
+    env = ["/usr/bin/env", "-i", f"QEMU_CPU={QEMU_CPU}", "PATH=/usr/bin:/bin", "HOME=/tmp", "LANG=C.UTF-8",
+           "PYTHONUTF8=1", f"PYTHONPATH={IN_ROOT}/project:{IN_ROOT}/site"]
     try:
-        return run(["chroot", str(root), *env, *cmd], timeout).stdout
+        return run(["chroot", str(root), *env, *cmd], timeout, stream,
+                   env={**os.environ, "QEMU_CPU": QEMU_CPU}).stdout
     finally:
         unmount(root)
 
@@ -230,6 +246,14 @@ def prepare(work: Path) -> None:
     for name, weights in (("fp32", None), ("int8", "int8"), ("int4", "int4")):
         export(work / "hf", work / "exports" / name, chunk=CHUNK, **({"weights": weights} if weights else {}))
     shutil.rmtree(work / "hf")
+    from hybrid_npu import integrity
+
+    for name in ("int8", "int4"):  # the same weights multiplied in fp32: does ARM64 read them the same?
+        dest = shutil.copytree(work / "exports" / name, work / "exports" / f"{name}-fp32compute")
+        fixtures.fp32_compute(dest / "graphs")
+        manifest = json.loads((dest / "model.json").read_text(encoding="utf-8"))
+        manifest["integrity"] = integrity.record(dest)  # the graphs were edited on purpose: hash them again
+        (dest / "model.json").write_text(json.dumps(manifest), encoding="utf-8")
 
     sys.path.insert(0, str(REPO / "scripts"))
     from arm64_probe import PROMPT, THREADS
@@ -252,13 +276,28 @@ def load_result(work: Path, name: str) -> tuple[dict, dict]:
 
 
 # ------------------------------------------------------------------ the comparison
-def compare(x86: tuple[dict, dict], arm: tuple[dict, dict], tolerances: dict[str, float] = TOLERANCES
-            ) -> tuple[list[str], dict[str, float]]:
-    """(one line per difference beyond what is allowed, the relative max logit difference per export).
-    Exact: rendered templates and their ids, the embedded model's greedy replies, the snapshot's
-    resumed continuation, every export's greedy ids. Within tolerances[name]: every export's logits."""
+def relative_max(x: np.ndarray, y: np.ndarray) -> float:
+    """max |y - x| / max |x|: NaN anywhere gives NaN."""
+    return float(np.max(np.abs(x.astype(np.float64) - y)) / max(float(np.max(np.abs(x))), 1e-30))
+
+
+def bounds(x86_logits: dict) -> dict[str, float]:
+    """What each export's logits may differ by: TOLERANCES, and for the shipped quantised exports
+    the x86_64 run's own activation-rounding effect (ROUNDING_BOUND)."""
+    out = dict(TOLERANCES)
+    for name, exact in ROUNDING_BOUND.items():
+        if name in x86_logits and exact in x86_logits:
+            out[name] = relative_max(x86_logits[name], x86_logits[exact])
+    return out
+
+
+def compare(x86: tuple[dict, dict], arm: tuple[dict, dict]) -> tuple[list[str], dict[str, float], dict[str, float]]:
+    """(one line per difference beyond what is allowed, the relative max logit difference per export,
+    the bound each was held to). Exact: rendered templates and their ids, the embedded model's greedy
+    replies, the snapshot's resumed continuation, the greedy ids of the exports in GREEDY_EXACT.
+    Within bounds(): every export's logits on the same fed tokens."""
     (a, a_logits), (b, b_logits) = x86, arm
-    problems, measured = [], {}
+    problems, measured, allowed = [], {}, bounds(a_logits)
     for key in EXACT_KEYS:
         if a.get(key) != b.get(key):
             problems.append(f"{key}: x86_64 {short(a.get(key))} != arm64 {short(b.get(key))}")
@@ -267,19 +306,18 @@ def compare(x86: tuple[dict, dict], arm: tuple[dict, dict], tolerances: dict[str
             problems.append(f"export {name}: only one side ran it")
             continue
         ids_a, ids_b = a.get(f"export_{name}_ids"), b.get(f"export_{name}_ids")
-        if ids_a != ids_b:
+        if name in GREEDY_EXACT and ids_a != ids_b:
             problems.append(f"export {name} greedy ids: x86_64 {short(ids_a)} != arm64 {short(ids_b)}")
         x, y = a_logits[name], b_logits[name]
         if x.shape != y.shape:
             problems.append(f"export {name} logits: shapes {x.shape} != {y.shape}")
             continue
-        rel = float(np.max(np.abs(x.astype(np.float64) - y)) / max(float(np.max(np.abs(x))), 1e-30))
-        measured[name] = rel
-        if name not in tolerances:
+        measured[name] = rel = relative_max(x, y)
+        if name not in allowed:
             problems.append(f"export {name}: no tolerance stated")
-        elif not rel <= tolerances[name]:  # NaN fails too
-            problems.append(f"export {name} logits: relative max difference {rel:.3g} > {tolerances[name]:g}")
-    return problems, measured
+        elif not rel <= allowed[name]:  # NaN fails too
+            problems.append(f"export {name} logits: relative max difference {rel:.3g} > {allowed[name]:.3g}")
+    return problems, measured, allowed
 
 
 def short(value, n: int = 120) -> str:
@@ -316,24 +354,27 @@ def main() -> int:
     shutil.copy2(REPO / "scripts" / "arm64_probe.py", opt / "arm64_probe.py")
     prepare(work)
     t = lap("x86_prepare", t)
-    run([sys.executable, str(REPO / "scripts" / "arm64_probe.py"), str(work), "x86_64"], 900)
+    run([sys.executable, str(REPO / "scripts" / "arm64_probe.py"), str(work), "x86_64"], 900, stream=True)
     t = lap("x86_probe", t)
     try:
-        in_root(root, ["python3", f"{IN_ROOT}/arm64_probe.py", f"{IN_ROOT}/work", "arm64"], timeout=1800)
+        in_root(root, ["python3", f"{IN_ROOT}/arm64_probe.py", f"{IN_ROOT}/work", "arm64"], timeout=1800, stream=True)
     except subprocess.CalledProcessError as e:
-        say(f"the probe failed on arm64: {tail(e)}")
-        print(e.stderr, file=sys.stderr)
+        say(f"the probe failed on arm64 (exit status {e.returncode}; its traceback above)")
         return 1
     t = lap("arm64_probe", t)
     x86, arm = load_result(work, "x86_64"), load_result(work, "arm64")
     if arm[0].get("machine") != "aarch64":
         say(f"the arm64 probe ran on {arm[0].get('machine')}, not aarch64")
         return 1
-    problems, measured = compare(x86, arm)
+    problems, measured, allowed = compare(x86, arm)
     times["total"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps({"arm64": arm[0]["machine"], "onnxruntime": arm[0]["onnxruntime"],
+    print(json.dumps({"arm64": arm[0]["machine"], "qemu_cpu": QEMU_CPU, "features": arm[0]["features"],
+                      "onnxruntime": arm[0]["onnxruntime"],
                       "relative_max_logit_difference": {k: float(f"{v:.3g}") for k, v in measured.items()},
-                      "tolerances": TOLERANCES, "same": not problems, "wall_s": times}), flush=True)
+                      "greedy_identical": {k: x86[0].get(f"export_{k}_ids") == arm[0].get(f"export_{k}_ids")
+                                           for k in measured},
+                      "bounds": {k: float(f"{v:.3g}") for k, v in allowed.items()}, "same": not problems,
+                      "wall_s": times}), flush=True)
     for p in problems:
         say(f"differs: {p}")
     return 1 if problems else 0

@@ -19,7 +19,7 @@ from .state import KV_BLOCK, State
 from .step_inputs import chain_feed
 
 REQUIRED = {"config": dict, "chunk": int, "graphs": dict, "weights": dict}
-_STATE_PREFIXES = ("conv_state.", "recurrent_state.", "past_key.", "past_value.")
+_STATE_PREFIXES = ("conv_state.", "recurrent_state.", "past_key.", "past_value.")  # (and past_key_scale. ...)
 _CHAIN_GRAPHS = ("prefill", "decode", "cpu")  # the graphs fed by chain_feed (verify takes a tree)
 
 
@@ -75,11 +75,12 @@ def _dims(shape) -> list:
     return [d if isinstance(d, int) else None for d in shape]
 
 
-def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int) -> None:
-    """The graph's declared inputs/outputs against what the manifest's config feeds and expects."""
+def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int, kv_cache: str = "fp32") -> None:
+    """The graph's declared inputs/outputs against what the manifest's config (and K/V cache dtype) feeds
+    and expects."""
     if name not in _CHAIN_GRAPHS:
         return
-    feed = chain_feed(cfg, State.fresh(cfg, KV_BLOCK), [0], n)
+    feed = chain_feed(cfg, State.fresh(cfg, KV_BLOCK, kv_cache), [0], n)
     inputs = {i.name: _dims(i.shape) for i in session.get_inputs()}
     optional = {i.name for i in session.get_overridable_initializers()}
 

@@ -65,7 +65,8 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
     assert f"{manifest['weights']['params']:,} params" in proc.stdout
     assert f"{manifest['state']['kv_bytes_per_token']:,} B per token" in proc.stdout
     cfg = ModelConfig.from_dict(manifest["config"])
-    per_token = cfg.kv_bytes_per_token() + 2 * cfg.num_attention_heads * 8 * 4  # K/V + a chunk's attention scratch
+    assert manifest["kv_cache"] == "fp16"  # the default
+    per_token = 2 * len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim  # fp16 K and V rows, nothing else
     # the live GDN state and the 8 turn checkpoints a chat engine keeps by default (each a copy of it)
     # a float export this small prepacks: an fp32 copy of its parameters in each CPU session at load
     # (one where prefill and decode share the any-N graph; runtime/memory.py)

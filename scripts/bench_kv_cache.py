@@ -3,14 +3,16 @@ Qwen3.5-0.8B-config checkpoint (scripts/random_checkpoint.py) exported int4 once
 (export-hybrid --weights int4 --kv-cache fp32|fp16|int8), each measured in fresh processes, the
 caches alternated round by round (the machine is shared: best of the rounds per figure).
 
-Per cache: prefill tok/s over a --prefill-token prompt (random ids, the same for every cache), the
-last prompt token's logits and a --greedy-token greedy continuation after it; then decode tok/s at
-each of --contexts (K/V rows filled with random values: decode cost depends on how many rows there
-are, not on what they hold; scripts/bench_context.py). Against the fp32 cache: the logits' max
-abs error and how many greedy tokens agree before the first difference. Prints one JSON object.
+Per cache: --depth K/V rows filled with random fp32 values (the same rows for every cache, stored
+in its dtype; decode and prefill cost depend on how many rows there are, not on what they hold;
+scripts/bench_context.py), then a --prefill-token prompt prefilled after them (random ids, the same
+for every cache): prefill tok/s at that depth, its last logits and a --greedy-token greedy
+continuation; then decode tok/s at each of --contexts (rows filled the same way). Against the fp32
+cache: the logits' max abs error and how many greedy tokens agree before the first difference.
+Prints one JSON object.
 
     python scripts/bench_kv_cache.py [--workdir DIR] [--caches fp32,fp16,int8] [--contexts 0,8192,32768]
-                                     [--prefill 8192] [--rounds 2] [--steps 16] [--greedy 16]
+                                     [--prefill 512] [--depth 8192] [--rounds 2] [--steps 16] [--greedy 16]
 """
 from __future__ import annotations
 
@@ -59,16 +61,16 @@ def worker(export_dir: Path, args) -> dict:
     engine = hybrid_npu.load(export_dir, threads=args.threads, checkpoints=0)
     ids = [int(t) for t in np.random.default_rng(SEED).integers(0, engine.config.vocab_size, args.prefill)]
     engine._step("prefill", ids[:128])  # warm-up: sessions and first-call allocations
-    engine.reset()
+    fill_context(engine, args.depth, np.random.default_rng(SEED))  # the same fp32 rows, in this cache's dtype
     t0 = time.perf_counter()
-    logits = engine.prefill_logits(ids)
+    logits = engine.prefill(ids)
     prefill_s = time.perf_counter() - t0
     np.save(args.logits_out, logits)
     greedy = []
     for _ in range(args.greedy):
         greedy.append(int(np.argmax(logits)))
         logits = engine.decode(greedy[-1])
-    row = {"kv_cache": engine.kv_cache, "prefill_tokens": args.prefill,
+    row = {"kv_cache": engine.kv_cache, "prefill_tokens": args.prefill, "prefill_at": args.depth,
            "prefill_tok_s": round(args.prefill / prefill_s, 2), "greedy": greedy,
            "kv_bytes_per_token": engine.memory.kv_bytes_per_token, "decode_tok_s": {}}
     rng = np.random.default_rng(1)
@@ -87,7 +89,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/hybrid-npu-bench"))
     ap.add_argument("--caches", default="fp32,fp16,int8")
     ap.add_argument("--contexts", default="0,8192,32768")
-    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--greedy", type=int, default=16)
@@ -107,7 +110,7 @@ def main() -> None:
         for kv in (caches if r % 2 == 0 else caches[::-1]):  # alternated: neither always goes first
             out = args.workdir / f"logits-{kv}.npy"
             cmd = [sys.executable, __file__, "--worker", str(exports[kv]), "--logits-out", str(out),
-                   "--prefill", str(args.prefill), "--steps", str(args.steps), "--greedy", str(args.greedy),
+                   "--prefill", str(args.prefill), "--depth", str(args.depth), "--steps", str(args.steps), "--greedy", str(args.greedy),
                    "--threads", str(args.threads), "--contexts", ",".join(map(str, args.contexts))]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[kv].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -128,6 +131,7 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     print(json.dumps({"machine": cpu, "threads": args.threads, "rounds": args.rounds, "prefill_tokens": args.prefill,
+                      "prefill_at": args.depth,
                       "steps": args.steps, "weights": "int4", "rows": rows, "runs": runs}, indent=1))
 
 

@@ -264,8 +264,10 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
         npu_graphs = ["prefill"] + (["verify"] if prof.verify_device == "npu" else [])
         for graph in npu_graphs:
             for k, (a, b) in enumerate(parts):
+                # the NPU parts read fp32 K/V as before (runtime/pipeline.py widens the cache's rows
+                # for them); their attention is the NPU's own (docs/kv-cache.md)
                 specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(specs[graph], first_layer=a,
-                                                                            end_layer=b, npu=True)
+                                                                            end_layer=b, npu=True, kv_cache="fp32")
         say(f"profile {prof.name}: {len(parts)} NPU part(s), layers {parts}")
     builders = {name: build_step_graph(cfg, npu_plan if spec.npu else plan, spec, name) for name, spec in specs.items()}
     say(f"writing weights ({plan.total_bytes() / 1e6:.1f} MB)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hybrid_npu.cli_common import human_bytes as human
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.format import EAGLE3_KIND, MTP_KIND
+from hybrid_npu.format import EAGLE3_KIND, LEGACY_KV_CACHE, MTP_KIND
 from hybrid_npu.runtime.for_export import (DEFAULT_MAX_CHECKPOINTS, MARGIN_BYTES, cpu_graph, plan_memory,
                                           resident_weight_bytes)
 

@@ -1,10 +1,11 @@
-"""A decode step's attention over a long context, every attention layer, in two forms timed in one
-process: this project's graph (kernels/attention.emit_gqa_attention over the fp32 K/V buffers as
-runtime/step_inputs.py feeds them: the whole capacity, rows past the context masked) against ONNX
-Runtime's com.microsoft GroupQueryAttention over an int8 cache (per-channel scales, the new row
-written in place: past and present bound to one buffer). Each layer has its own buffers, so the
-K/V come from memory as in a real step, not from the cache. Shapes default to Qwen3.5-0.8B's (6
-attention layers, 8 query / 2 K/V heads of 256).
+"""A decode step's attention over a long context, every attention layer, in the forms a K/V cache
+could take, timed in one process: this project's untiled graph (kernels/attention.emit_gqa_attention
+over the fp32 K/V buffers as runtime/step_inputs.py feeds them: the whole capacity, rows past the
+context masked), the CPU graphs' tiled form (emit_tiled_gqa_attention) over an fp32, fp16 and int8
+cache (a scale per row), and ONNX Runtime's com.microsoft GroupQueryAttention over an fp16 and an
+int8 cache (per-channel scales; the new row written in place: past and present bound to one
+buffer). Each layer has its own buffers, so the K/V come from memory as in a real step, not from
+the cache. Shapes default to Qwen3.5-0.8B's (6 attention layers, 8 query / 2 K/V heads of 256).
 
 Before timing, the int8 arm's output is checked against a numpy reference of the same arithmetic
 (keys and values rounded to int8 with their scales, then exact attention): that is what the kernel
@@ -28,7 +29,9 @@ import bench_json  # noqa: E402
 from bench_cpu import cpu_model  # noqa: E402
 from decode_gap import median_ms  # noqa: E402
 
-from hybrid_npu.kernels.attention import MASKED, emit_gqa_attention, gqa_attention_ref  # noqa: E402
+from hybrid_npu.kernels.attention import (MASKED, emit_gqa_attention, emit_tiled_gqa_attention,  # noqa: E402
+                                          gqa_attention_ref)
+from hybrid_npu.runtime.state import quantize_rows  # noqa: E402
 from hybrid_npu.kernels.graph import GraphBuilder  # noqa: E402
 
 NH, NKV, HD = 8, 2, 256
@@ -46,6 +49,40 @@ def own_model(n_layers: int):
         g.output(emit_gqa_attention(g, q, pk, pv, nk, nv, mask, n=1, nh=NH, nkv=NKV, hd=HD), f"o{i}", np.float32,
                  [1, NH, HD])
     return g.model()
+
+
+def own_tiled_model(n_layers: int, cache: str):
+    """The CPU graphs' form (kernels/attention.emit_tiled_gqa_attention) over a `cache` K/V: fp32,
+    fp16, or int8 rows with a scale each (runtime/state.quantize_rows)."""
+    dtype = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}[cache]
+    g = GraphBuilder("attention_tiled")
+    for i in range(n_layers):
+        q = g.input(f"q{i}", np.float32, [1, NH, HD])
+        pk, pv = g.input(f"pk{i}", dtype, [NKV, "T", HD]), g.input(f"pv{i}", dtype, [NKV, HD, "T"])
+        nk, nv = g.input(f"nk{i}", np.float32, [NKV, 1, HD]), g.input(f"nv{i}", np.float32, [NKV, 1, HD])
+        mask = g.input(f"m{i}", np.float32, [1, "T1"])
+        scales = ((g.input(f"ks{i}", np.float32, [NKV, 1, "T"]), g.input(f"vs{i}", np.float32, [NKV, 1, "T"]))
+                  if cache == "int8" else (None, None))
+        g.output(emit_tiled_gqa_attention(g, q, pk, pv, nk, nv, mask, n=1, nh=NH, nkv=NKV, hd=HD, widen=cache != "fp32",
+                                          k_scale=scales[0], v_scale=scales[1]), f"o{i}", np.float32, [1, NH, HD])
+    return g.model()
+
+
+def gqa_fp16_model(capacity: int):
+    """One layer: GroupQueryAttention in fp16 (q, k, v and the past/present [1, nKV, capacity, hd])."""
+    h = TensorProto.FLOAT16
+    inputs = [helper.make_tensor_value_info("q", h, [1, 1, NH * HD]),
+              helper.make_tensor_value_info("k", h, [1, 1, NKV * HD]),
+              helper.make_tensor_value_info("v", h, [1, 1, NKV * HD]),
+              helper.make_tensor_value_info("past_k", h, [1, NKV, capacity, HD]),
+              helper.make_tensor_value_info("past_v", h, [1, NKV, capacity, HD]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
+    node = helper.make_node("GroupQueryAttention", [v.name for v in inputs], ["out", "present_k", "present_v"],
+                            domain="com.microsoft", num_heads=NH, kv_num_heads=NKV)
+    outputs = [helper.make_tensor_value_info(n, h, None) for n in ("out", "present_k", "present_v")]
+    return helper.make_model(helper.make_graph([node], "gqa_fp16", inputs, outputs),
+                             opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
 
 
 def gqa_int8_model(capacity: int):
@@ -83,6 +120,11 @@ def measure(context: int, n_layers: int, rounds: int, threads: int, seed: int = 
     opts.intra_op_num_threads = threads
     own = ort.InferenceSession(own_model(n_layers).SerializeToString(), opts, providers=["CPUExecutionProvider"])
     gqa = ort.InferenceSession(gqa_int8_model(cap).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    tiled = {c: ort.InferenceSession(own_tiled_model(n_layers, c).SerializeToString(), opts,
+                                     providers=["CPUExecutionProvider"]) for c in ("fp32", "fp16", "int8")}
+    gqa16 = ort.InferenceSession(gqa_fp16_model(cap).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    tiled_feed = {c: {} for c in tiled}
+    bindings16 = []
     own_feed, bindings, keep, errors = {}, [], [], {"int8_vs_reference": 0.0, "int8_vs_fp32": 0.0}
     mask = np.where(np.arange(cap + 1)[None] < context, 0.0, MASKED).astype(np.float32)
     mask[0, cap] = 0.0  # the new token sees itself
@@ -92,6 +134,28 @@ def measure(context: int, n_layers: int, rounds: int, threads: int, seed: int = 
         q, nk, nv = (rng.standard_normal(s).astype(np.float32) for s in ((1, NH, HD), (NKV, 1, HD), (NKV, 1, HD)))
         own_feed.update({f"q{i}": q, f"pk{i}": keys, f"pv{i}": np.ascontiguousarray(values.transpose(0, 2, 1)),
                          f"nk{i}": nk, f"nv{i}": nv, f"m{i}": mask})
+        values_t = np.ascontiguousarray(values.transpose(0, 2, 1))
+        (k8, ks), (v8, vs) = quantize_rows(keys, -1), quantize_rows(values, -1)
+        for c, (pk, pv, extra) in {"fp32": (keys, values_t, {}),
+                                   "fp16": (keys.astype(np.float16), values_t.astype(np.float16), {}),
+                                   "int8": (k8, np.ascontiguousarray(v8.transpose(0, 2, 1)),
+                                            {f"ks{i}": ks.transpose(0, 2, 1).copy(), f"vs{i}": vs.transpose(0, 2, 1).copy()})}.items():
+            tiled_feed[c].update({f"q{i}": q, f"pk{i}": pk, f"pv{i}": pv, f"nk{i}": nk, f"nv{i}": nv, f"m{i}": mask,
+                                  **extra})
+        hk, hv = (ort.OrtValue.ortvalue_from_numpy(x.astype(np.float16)[None]) for x in (keys, values))
+        b16 = gqa16.io_binding()
+        for name, x in (("q", q.reshape(1, 1, -1).astype(np.float16)),
+                        ("k", nk.transpose(1, 0, 2).reshape(1, 1, -1).astype(np.float16)),
+                        ("v", nv.transpose(1, 0, 2).reshape(1, 1, -1).astype(np.float16)),
+                        ("seqlens_k", np.array([context], np.int32)), ("total_len", np.array(context + 1, np.int32))):
+            b16.bind_cpu_input(name, np.ascontiguousarray(x))
+        b16.bind_ortvalue_input("past_k", hk)
+        b16.bind_ortvalue_input("past_v", hv)
+        b16.bind_output("out", "cpu")
+        b16.bind_ortvalue_output("present_k", hk)
+        b16.bind_ortvalue_output("present_v", hv)
+        keep.append((hk, hv))
+        bindings16.append(b16)
         # scales from the keys and values themselves (a real cache would calibrate them)
         k_scale = (np.abs(keys).max(1, keepdims=True) / 127).astype(np.float32)
         v_scale = (np.abs(values).max(1, keepdims=True) / 127).astype(np.float32)
@@ -121,13 +185,19 @@ def measure(context: int, n_layers: int, rounds: int, threads: int, seed: int = 
             errors = {"int8_vs_reference": float(np.abs(got - deq).max()),
                       "int8_vs_fp32": float(np.abs(got - exact).max()),
                       "new_row_written_in_place": bool(np.array_equal(qk[0, :, context], quantise(nk, k_scale)[:, 0]))}
-    best = {"own_fp32_ms": float("inf"), "gqa_int8_ms": float("inf")}
     arms = {"own_fp32_ms": lambda: own.run(None, own_feed),
+            **{f"tiled_{c}_ms": (lambda c=c: tiled[c].run(None, tiled_feed[c])) for c in tiled},
+            "gqa_fp16_ms": lambda: [gqa16.run_with_iobinding(b) for b in bindings16],
             "gqa_int8_ms": lambda: [gqa.run_with_iobinding(b) for b in bindings]}
+    best = {name: float("inf") for name in arms}
+    fp32_out = own.run(None, own_feed)
+    for c in tiled:  # the tiled forms compute the same attention (within their cache's rounding)
+        errors[f"tiled_{c}_vs_fp32"] = max(float(np.abs(a - b).max()) for a, b in zip(tiled[c].run(None, tiled_feed[c]), fp32_out))
     for r in range(rounds):  # alternated, best median of each
         for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
             best[name] = min(best[name], median_ms(arms[name], 15))
-    kv_bytes = {"fp32": n_layers * 2 * NKV * cap * HD * 4, "int8": n_layers * 2 * NKV * cap * HD}
+    kv_bytes = {"fp32": n_layers * 2 * NKV * cap * HD * 4, "fp16": n_layers * 2 * NKV * cap * HD * 2,
+                "int8": n_layers * 2 * NKV * cap * HD}
     return {"context": context, "capacity": cap, **{k: round(v, 3) for k, v in best.items()},
             "int8_over_fp32": round(best["gqa_int8_ms"] / best["own_fp32_ms"], 3), "kv_bytes": kv_bytes, **errors}
 

@@ -51,7 +51,7 @@ def run_export(*args):
 
 def test_summary_table_and_parity_line(text_tied, tmp_path):
     out = tmp_path / "out"
-    proc = run_export(text_tied.src, out, "--chunk", "8", "--max-context-memory", "64M")
+    proc = run_export(text_tied.src, out, "--chunk", "8", "--max-context-memory", "24M")
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "model.json").read_text())
     lines = proc.stdout.splitlines()
@@ -71,14 +71,16 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
     # a float export this small prepacks: an fp32 copy of its parameters in each CPU session at load
     # (one where prefill and decode share the any-N graph; runtime/memory.py)
     packed = (1 if "cpu" in manifest["graphs"] else 2) * 4 * manifest["weights"]["params"]
-    fits = (64 * 2**20 - manifest["weights"]["bytes"] - packed - 9 * cfg.state_bytes()) // per_token
-    assert f"max context  {fits:,} tokens in 64.0 MiB" in proc.stdout
+    fits = (24 * 2**20 - manifest["weights"]["bytes"] - packed - 9 * cfg.state_bytes()) // per_token
+    assert f"max context  {fits:,} tokens in 24.0 MiB" in proc.stdout
     m = re.fullmatch(r"parity: ok \((\d+) source tensors equal weights.bin \(max \|diff\| (\S+)\), prefill vs 5 "
                      r"decode steps: logits max \|diff\| (\S+), state (\S+); relative L2 (\S+) and (\S+)\)",
                      lines[-1])
     assert m, lines[-1]
     assert int(m.group(1)) >= 20 and float(m.group(2)) == 0.0  # fp32: bitwise
-    assert float(m.group(3)) <= 1e-3 and float(m.group(4)) <= 1e-3
+    # the decode steps read earlier rows out of the fp16 cache (rounded to 2^-11 of themselves) where
+    # the chunk used its own rows in fp32: the K/V rows, of magnitude up to ~8 here, differ by that much
+    assert float(m.group(3)) <= 1e-3 and float(m.group(4)) <= 8 * 2 ** -11
     quiet = run_export(text_tied.src, tmp_path / "quiet", "--chunk", "8", "--quiet", "--no-parity")
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     assert "parity:" not in quiet.stdout and "exported 6 layers" in quiet.stdout

@@ -35,7 +35,7 @@ import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import KV_CACHES, MASK_DIM, PAST_DIM
-from hybrid_npu.kernels.attention import MASKED, emit_gqa_attention, emit_tiled_gqa_attention
+from hybrid_npu.kernels.attention import MASKED, VALUE_ROWS_MAX_N, emit_gqa_attention, emit_tiled_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select
 from hybrid_npu.kernels.delta_rule import SOLVE_BLOCK, emit_solve_eye_blocks
 from hybrid_npu.kernels.graph import GraphBuilder
@@ -441,7 +441,11 @@ class _Builder:
         k = emit_partial_rope(g, self.norm1p(g.reshape(k, [rows, nkv, hd]), a + "k_norm.weight", hd),
                               cos, sin, hd, c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [rows, nkv, hd]), [1, 0, 2])
-        if self.ops.tiled_attention:
+        # tiles wherever a call would otherwise hold per-context memory: a chunk's [N, T] scores, or a
+        # widened copy of an fp16 / int8 cache; a few rows over an fp32 cache read it in place untiled
+        # (decode: a Loop's tile copies took 2.2x the attention time at 8k, docs/kv-cache.md)
+        few = n is None or n <= VALUE_ROWS_MAX_N
+        if self.ops.tiled_attention and not (few and self.spec.kv_cache == "fp32"):
             attn = emit_tiled_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
                                             widen=self.spec.kv_cache != "fp32", k_scale=scales[0], v_scale=scales[1])
         else:

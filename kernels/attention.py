@@ -163,7 +163,10 @@ def emit_tiled_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_value
         vt = g.op("Slice", past_values_t, start, end, g.ints([2]))
         if widen:
             kt, vt = g.op("Cast", kt, to=f32), g.op("Cast", vt, to=f32)
-        s = g.matmul(qh, g.transpose(kt, [0, 2, 1]))
+        if rows_first:  # the keys as the product's rows too: no transposed copy of the tile
+            s = g.transpose(g.matmul(kt, g.transpose(qh, [0, 2, 1])), [0, 2, 1])
+        else:
+            s = g.matmul(qh, g.transpose(kt, [0, 2, 1]))
         if k_scale is not None:
             s = g.op("Mul", s, g.op("Slice", k_scale, start, end, g.ints([2])))
         s = g.op("Add", s, g.op("Tile", g.op("Slice", mask, start, end, g.ints([1])), group_rows))

@@ -24,7 +24,7 @@ MAX_CHUNK = 4096  # the prefill graph's scores are [C, T + C] per head: 4096 is 
 class ExportOptions:
     chunk: int | None = None               # tokens per prefill call (None: the profile's, or 128)
     dtype: str = "fp32"                    # how float weights are stored (compute stays fp32)
-    kv_cache: str = DEFAULT_KV_CACHE       # the K/V cache's dtype: fp16 | int8 | fp32 (format.KV_CACHES)
+    kv_cache: str = DEFAULT_KV_CACHE       # the K/V cache's dtype: fp32 | fp16 | int8 (format.KV_CACHES)
     profile: str | Path | None = None      # a device profile: also its NPU parts (+ context binaries)
     compile_context: bool = True           # with an NPU profile: precompile its QNN context binaries
     verify: int | None = None              # tree-verify size (None: the profile's, or 32)

@@ -443,7 +443,7 @@ class _Builder:
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [rows, nkv, hd]), [1, 0, 2])
         # tiles wherever a call would otherwise hold per-context memory: a chunk's [N, T] scores, or a
         # widened copy of an fp16 / int8 cache; a few rows over an fp32 cache read it in place untiled
-        # (decode: a Loop's tile copies took 2.2x the attention time at 8k, docs/kv-cache.md)
+        # (decode: a Loop's tile copies took 3.2x the attention time at 8k, docs/kv-cache.md)
         few = n is None or n <= VALUE_ROWS_MAX_N
         if self.ops.tiled_attention and not (few and self.spec.kv_cache == "fp32"):
             attn = emit_tiled_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,

@@ -17,6 +17,7 @@ from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.parity import check_parity
+from hybrid_npu.format import DEFAULT_KV_CACHE
 from hybrid_npu.cli_common import byte_size, human_bytes as human
 
 
@@ -65,8 +66,9 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
     assert f"{manifest['weights']['params']:,} params" in proc.stdout
     assert f"{manifest['state']['kv_bytes_per_token']:,} B per token" in proc.stdout
     cfg = ModelConfig.from_dict(manifest["config"])
-    assert manifest["kv_cache"] == "fp16"  # the default
-    per_token = 2 * len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim  # fp16 K and V rows, nothing else
+    assert manifest["kv_cache"] == DEFAULT_KV_CACHE
+    item = {"fp32": 4, "fp16": 2}[manifest["kv_cache"]]
+    per_token = item * len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim  # K and V rows, nothing else
     # the live GDN state and the 8 turn checkpoints a chat engine keeps by default (each a copy of it)
     # a float export this small prepacks: an fp32 copy of its parameters in each CPU session at load
     # (one where prefill and decode share the any-N graph; runtime/memory.py)
@@ -78,9 +80,7 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
                      lines[-1])
     assert m, lines[-1]
     assert int(m.group(1)) >= 20 and float(m.group(2)) == 0.0  # fp32: bitwise
-    # the decode steps read earlier rows out of the fp16 cache (rounded to 2^-11 of themselves) where
-    # the chunk used its own rows in fp32: the K/V rows, of magnitude up to ~8 here, differ by that much
-    assert float(m.group(3)) <= 1e-3 and float(m.group(4)) <= 8 * 2 ** -11
+    assert float(m.group(3)) <= 1e-3 and float(m.group(4)) <= 1e-3
     quiet = run_export(text_tied.src, tmp_path / "quiet", "--chunk", "8", "--quiet", "--no-parity")
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     assert "parity:" not in quiet.stdout and "exported 6 layers" in quiet.stdout

@@ -202,3 +202,16 @@ def test_an_int8_cache_with_an_npu_profile_is_refused(text_tied, tmp_path, htp_p
 def test_an_unknown_cache_dtype_is_refused(text_tied, tmp_path):
     with pytest.raises(UserError, match="--kv-cache 'bf16' is not supported; choose one of fp32, fp16, int8"):
         export(text_tied.src, tmp_path / "x", chunk=CHUNK, kv_cache="bf16")
+
+
+def test_an_fp16_cache_feeds_the_npu_parts(caches, htp_profile):
+    """The NPU parts read fp32 past K/V; an fp16 cache's rows are widened for them per call
+    (runtime/pipeline.py): the HTP prefill then CPU decode gives the CPU-only fp16 engine's tokens."""
+    pytest.importorskip("onnxruntime_qnn", reason="the NPU path needs the qnn extra")
+    npu = hybrid_npu.load(caches["fp16"], profile=htp_profile, prefill="npu")
+    cpu = hybrid_npu.load(caches["fp16"])
+    ids = prompt(4 * CHUNK, seed=5)
+    want = cpu.generate(ids, 8, stop_at_eos=False)
+    assert npu.generate(ids, 8, stop_at_eos=False) == want
+    assert npu.last_stats["prefill_device"] == "QNN/HTP"
+    assert next(iter(npu.state.attention.values())).key.dtype == np.float16

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from .graph import GraphBuilder
 
@@ -143,7 +144,6 @@ def emit_tiled_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_value
     widen: the past is not fp32 (fp16, or int8 with its scales [nKV, 1, P])."""
     group = nh // nkv
     rows = -1 if n is None else group * n
-    f32 = 1  # onnx.TensorProto.FLOAT
     qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, rows, hd])
     qh = g.op("Mul", qh, g.const(1.0 / math.sqrt(hd)))
     big = np.iinfo(np.int64).max
@@ -162,7 +162,7 @@ def emit_tiled_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_value
         kt = g.op("Slice", past_keys, start, end, g.ints([1]))
         vt = g.op("Slice", past_values_t, start, end, g.ints([2]))
         if widen:
-            kt, vt = g.op("Cast", kt, to=f32), g.op("Cast", vt, to=f32)
+            kt, vt = g.op("Cast", kt, to=TensorProto.FLOAT), g.op("Cast", vt, to=TensorProto.FLOAT)
         if rows_first:  # the keys as the product's rows too: no transposed copy of the tile
             s = g.transpose(g.matmul(kt, g.transpose(qh, [0, 2, 1])), [0, 2, 1])
         else:

@@ -17,6 +17,7 @@ import time
 
 from hybrid_npu.cli_common import OneLineParser, byte_size, path_arg
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import DEFAULT_KV_CACHE, KV_CACHES
 
 
 def build_parser() -> OneLineParser:
@@ -35,6 +36,9 @@ def add_arguments(p) -> None:
     p.add_argument("--chunk", type=int, help="prefill chunk: tokens per prefill call (default: the profile's, or 128)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"],
                    help="stored weight dtype (fp16 halves the files; compute stays fp32)")
+    p.add_argument("--kv-cache", default=DEFAULT_KV_CACHE, choices=list(KV_CACHES),
+                   help="the K/V cache's dtype (default fp32; fp16: half the memory per context token, int8: a "
+                        "quarter, CPU only, rows rounded to 8 bits; docs/kv-cache.md)")
     p.add_argument("--weights", choices=["float", "int8", "int4"],
                    help="int8/int4: quantise every linear layer (CPU: block-wise MatMulNBits; with an NPU "
                         "--profile also the NPU graphs, see --calibration; default float)")

@@ -45,19 +45,20 @@ from .weights import WeightPlan
 WEIGHTS_FILE = "weights.bin"
 
 
-def graph_specs(chunk: int, verify: int) -> dict[str, StepSpec]:
+def graph_specs(chunk: int, verify: int, kv_cache: str = "fp32") -> dict[str, StepSpec]:
     """prefill (chain, C tokens), decode (1 token), verify (a token tree of `verify` nodes:
     logits, commit tensors and taps for every node, for speculative decoding).
     decode and the any-N "cpu" graph are written in ORT's fused CPU kernels (step_graph.KINDS,
     graph_ops.CpuOps; measured in docs/performance.md); prefill and verify stay in plain HTP-safe ops,
-    so a prefill graph can still run whole on the NPU (runtime/npu_sessions.py)."""
-    specs = {"prefill": StepSpec(Kind.PREFILL, chunk), "decode": StepSpec(Kind.DECODE, 1),
-             "verify": StepSpec(Kind.VERIFY, verify)}
+    so a prefill graph can still run whole on the NPU (runtime/npu_sessions.py). Every graph reads
+    the past K/V in the export's cache dtype, kv_cache."""
+    specs = {"prefill": StepSpec(Kind.PREFILL, chunk, kv_cache=kv_cache), "decode": StepSpec(Kind.DECODE, 1, kv_cache=kv_cache),
+             "verify": StepSpec(Kind.VERIFY, verify, kv_cache=kv_cache)}
     if chunk > 1:  # the CPU runs prefill chunks and decode tokens through this one: one prepacked copy
-        specs["cpu"] = StepSpec(Kind.ANY_N, chunk)
+        specs["cpu"] = StepSpec(Kind.ANY_N, chunk, kv_cache=kv_cache)
     # the CPU verifies through a graph sized to the draft (a 3-token chain need not pay for 32 nodes);
     # the NPU keeps the static `verify`
-    specs["cpu_verify"] = StepSpec(Kind.SIZED_VERIFY, verify, tree_sizes=verify_sizes(verify))
+    specs["cpu_verify"] = StepSpec(Kind.SIZED_VERIFY, verify, tree_sizes=verify_sizes(verify), kv_cache=kv_cache)
     return specs
 
 
@@ -274,7 +275,7 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
                   final_tap: bool = False) -> dict:
     chunk, verify, dtype, prof, quant, npu_quant = (plan.chunk, plan.verify, plan.dtype, plan.profile, plan.quant,
                                                     plan.npu_quant)
-    compile_context, max_context = plan.options.compile_context, plan.options.max_context
+    compile_context, max_context, kv_cache = plan.options.compile_context, plan.options.max_context, plan.options.kv_cache
     cfg = ck.config
     plan = WeightPlan(ck.load, DTYPES[dtype], quant)
     # QDQ parts start as fp32 graphs in the quantiser's layout, written aside and quantised into graphs/
@@ -283,7 +284,7 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
     graphs_dir = tmp / "graphs"
     graphs_dir.mkdir()
     say(f"building graphs (chunk {chunk})")
-    specs = graph_specs(chunk, verify)
+    specs = graph_specs(chunk, verify, kv_cache)
     if final_tap:  # an MTP drafter reads the residual after the last layer from every graph
         specs = {name: dataclasses.replace(spec, final_tap=True) for name, spec in specs.items()}
     parts, npu_graphs = {}, []  # graph -> the NPU's (first, end, after_attention, to_attention) layer ranges
@@ -296,8 +297,11 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
                  "verify": [(a, b, False, False) for a, b in weight_parts]}
         for graph in npu_graphs:
             for k, (a, b, after, to) in enumerate(parts[graph]):
+                # the NPU parts read fp32 K/V (runtime/pipeline.py widens the cache's rows for them, the
+                # host's tile calls read the cache as it lies); their attention is the NPU's own
                 specs[f"{graph}.{prof.name}.part{k}"] = dataclasses.replace(
-                    specs[graph], first_layer=a, end_layer=b, npu=True, after_attention=after, to_attention=to)
+                    specs[graph], first_layer=a, end_layer=b, npu=True, after_attention=after, to_attention=to,
+                    kv_cache="fp32")
         say(f"profile {prof.name}: {len(weight_parts)} NPU part(s), layers {weight_parts}; prefill in "
             f"{len(parts['prefill'])} segments around the attention cores, attention in tiles of "
             f"{prof.attention_tile} rows")
@@ -356,6 +360,7 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
                    "dtype": ck.source_dtype, "mtp_tensors": ck.mtp_tensors},
         "config": cfg.to_dict(),
         "dtype": dtype,
+        "kv_cache": kv_cache,
         "chunk": chunk,
         "graphs": graphs,
         "npu": npu,
@@ -363,7 +368,7 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
                     "params": plan.total_params(), **(quant.to_manifest() if quant else {"mode": "float"}),
                     **({"prepacked_bytes": plan.prepacked_bytes()} if quant else {})},
         "state": {"layers": state_layout(cfg), "state_bytes": cfg.state_bytes(),
-                  "kv_bytes_per_token": cfg.kv_bytes_per_token(), "tap_layers": list(cfg.tap_layers)},
+                  "kv_bytes_per_token": cfg.kv_bytes_per_token(kv_cache), "tap_layers": list(cfg.tap_layers)},
         "tokenizer": {"files": tokenizer_files, "chat_template": chat_template, "chat_template_file": template_file,
                       "stop_token_ids": list(cfg.eos_token_ids), "stop_token_sources": stop_sources},
         "generation": chat_files.sampling_defaults(tmp),  # the chat defaults (generation_config.json)

@@ -25,6 +25,7 @@ class PlainOps:
     chain_only = False
     fp16_guards = True    # the delta rule's σ scaling and plain l2 norms (kernels/delta_rule.py)
     state_unit_axis = False  # recurrent_state_out is [1, Hv, Dk, Dv], not [Hv, Dk, Dv]
+    tiled_attention = False  # attention over the past in tiles under a Loop (CPU only: runtime Slice starts)
 
     def __init__(self, g: GraphBuilder, eps: float):
         self.g, self.eps = g, eps
@@ -83,6 +84,7 @@ class CpuOps(PlainOps):
     chunk, CausalConvWithState (4x slower)."""
     state_units = False
     chain_only = True
+    tiled_attention = True  # no [N, T] scores, no widened copy of the cache (kernels/attention.py)
 
     def norm1p(self, x: str, weight: str) -> str:
         return emit_rmsnorm_1p_cpu(self.g, x, weight, self.eps)
@@ -121,6 +123,7 @@ class CpuTreeOps(PlainOps):
     the plain graph ran ~1,800 kernels a call, most of them the HTP-safe norms' and the state units'."""
     state_units = False
     fp16_guards = False
+    tiled_attention = True
     norm1p, add_norm1p, softplus, gated_norm = CpuOps.norm1p, CpuOps.add_norm1p, CpuOps.softplus, CpuOps.gated_norm
 
 

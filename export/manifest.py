@@ -10,7 +10,7 @@ from hybrid_npu.format import FORMAT, MANIFEST
 from hybrid_npu.safe_files import CONFIG_BYTES, read_json
 
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
-           onnx.TensorProto.INT32: "int32"}
+           onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT8: "int8"}
 
 
 def value_infos(values) -> list[dict]:

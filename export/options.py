@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import MTP_KIND, STORAGE_DTYPES
+from hybrid_npu.format import DEFAULT_KV_CACHE, KV_CACHES, MTP_KIND, STORAGE_DTYPES
 from hybrid_npu.profiles import Profile
 from hybrid_npu.profiles.loader import load_profile
 
@@ -24,6 +24,7 @@ MAX_CHUNK = 4096  # the prefill graph's scores are [C, T + C] per head: 4096 is 
 class ExportOptions:
     chunk: int | None = None               # tokens per prefill call (None: the profile's, or 128)
     dtype: str = "fp32"                    # how float weights are stored (compute stays fp32)
+    kv_cache: str = DEFAULT_KV_CACHE       # the K/V cache's dtype: fp32 | fp16 | int8 (format.KV_CACHES)
     profile: str | Path | None = None      # a device profile: also its NPU parts (+ context binaries)
     compile_context: bool = True           # with an NPU profile: precompile its QNN context binaries
     verify: int | None = None              # tree-verify size (None: the profile's, or 32)
@@ -61,6 +62,11 @@ class ExportOptions:
                             f"(the profiles use 128)")
         if self.dtype not in STORAGE_DTYPES:
             raise UserError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
+        if self.kv_cache not in KV_CACHES:
+            raise UserError(f"--kv-cache {self.kv_cache!r} is not supported; choose one of {', '.join(KV_CACHES)}")
+        if self.kv_cache == "int8" and prof is not None and prof.has_npu:
+            raise UserError(f"--kv-cache int8 is for the CPU; the NPU graphs of profile {prof.name} read fp16 "
+                            "K/V: use --kv-cache fp16 with an NPU --profile")
         quant = quant_spec(self.weights, self.block_size, self.asymmetric, self.head_bits)
         own_mtp = isinstance(self.drafter, str) and self.drafter == MTP_KIND  # the keyword, not a dir named mtp
         if self.mtp_vocab_text is not None and self.mtp_vocab is None:

@@ -188,7 +188,8 @@ def _check_pair(export_dir: Path, manifest: dict, report: ParityReport, chunk_fi
     graphs = manifest["graphs"]
     k = report.tokens = min(TOKENS, graphs["prefill"]["n"])
     ids = [(1 + 7919 * i) % cfg.vocab_size for i in range(k)]  # fixed, spread over the vocabulary
-    chunked, stepped = State.fresh(cfg), State.fresh(cfg)
+    kv_cache = manifest.get("kv_cache", "fp32")  # the graphs' past K/V dtype
+    chunked, stepped = State.fresh(cfg, kv_cache=kv_cache), State.fresh(cfg, kv_cache=kv_cache)
     chunk_pipe = Pipeline([cpu_session(export_dir / chunk_file, manifest)], "CPU")
     prefill_logits = _advance(chunk_pipe, cfg, chunked, ids, graphs["prefill"]["n"])
     decode = chunk_pipe if step_file == chunk_file else Pipeline([cpu_session(export_dir / step_file, manifest)], "CPU")

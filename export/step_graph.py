@@ -16,7 +16,8 @@ I/O names (stable; the manifest lists them with shapes):
        conv_state.{i} [conv_dim, K-1]; recurrent_state.{i} [Hv, Dk, Dv] fp32, in units of
        recurrent_scale.{i} [Hv] (prefill and verify; 1 = real units; S out and commit u in them too);
        past_key.{i} [nKV, past_len, hd]; past_value.{i} [nKV, hd, past_len] (transposed: the
-       decode product reads the values as its rows, kernels/attention.py)
+       decode product reads the values as its rows, kernels/attention.py), in the K/V cache's dtype
+       (StepSpec.kv_cache); int8: past_key_scale.{i} / past_value_scale.{i} [nKV, 1, past_len] fp32
   out  logits [1 | N, V] | hidden_out [N, H]; conv_state_out.{i}; recurrent_state_out.{i} (as the
        state, [1, Hv, Dk, Dv] in the CPU op set's graphs: LinearAttention's own output);
        new_key.{i} / new_value.{i} [nKV, N, hd]; tap.{j} [N, H] (residual entering layer j; j = L:
@@ -33,8 +34,8 @@ import numpy as np
 import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
-from hybrid_npu.format import MASK_DIM, PAST_DIM
-from hybrid_npu.kernels.attention import MASKED, emit_gqa_attention
+from hybrid_npu.format import KV_CACHES, MASK_DIM, PAST_DIM
+from hybrid_npu.kernels.attention import MASKED, VALUE_ROWS_MAX_N, emit_gqa_attention, emit_tiled_gqa_attention
 from hybrid_npu.kernels.conv import chain_state_select
 from hybrid_npu.kernels.delta_rule import SOLVE_BLOCK, emit_solve_eye_blocks
 from hybrid_npu.kernels.graph import GraphBuilder
@@ -89,6 +90,7 @@ class StepSpec:
     end_layer: int | None = None      # exclusive; None = all layers
     npu: bool = False                 # an NPU part: the "npu" op set
     tree_sizes: tuple[int, ...] = ()  # SIZED_VERIFY: the tree sizes, the largest n
+    kv_cache: str = "fp32"            # the past K/V inputs' dtype (format.KV_CACHES; int8 adds their scales)
     final_tap: bool = False           # also tap.{L}: the residual after the last layer (before the final
     #                                   norm), every row: what an MTP drafter reads (export/mtp_drafter.py)
     after_attention: bool = False     # a tiled NPU segment: the first layer's attention core ran on the host
@@ -108,6 +110,10 @@ class StepSpec:
             raise ValueError("a decode graph takes one token")
         if self.kind == Kind.ANY_N and self.n < 2:
             raise ValueError("the any-N graph's chunk n is > 1")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache {self.kv_cache!r}: one of {', '.join(KV_CACHES)}")
+        if self.npu and self.kv_cache == "int8":
+            raise ValueError("an NPU part reads an fp16 or fp32 K/V cache, not int8")
         if (self.kind == Kind.SIZED_VERIFY) != bool(self.tree_sizes) or self.tree_sizes and (
                 max(self.tree_sizes) != self.n or min(self.tree_sizes) < 2):
             raise ValueError("tree_sizes is the sized verify graph's (and only its), sizes >= 2 up to n")
@@ -425,10 +431,18 @@ class _Builder:
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg, k, v = self.linear(h, a + "qkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                                c.hidden_size, [2 * nh * hd, nkv * hd, nkv * hd])
-        past = (g.input(f"past_key.{i}", np.float32, [nkv, PAST, hd]),
-                g.input(f"past_value.{i}", np.float32, [nkv, hd, PAST]))  # transposed (kernels/attention.py)
+        kv, dtype = self.spec.kv_cache, KV_CACHES[self.spec.kv_cache]
+        past = (g.input(f"past_key.{i}", dtype, [nkv, PAST, hd]),
+                g.input(f"past_value.{i}", dtype, [nkv, hd, PAST]))  # transposed (kernels/attention.py)
+        scales = (g.input(f"past_key_scale.{i}", np.float32, [nkv, 1, PAST]),
+                  g.input(f"past_value_scale.{i}", np.float32, [nkv, 1, PAST])) if kv == "int8" else (None, None)
+        if not self.ops.tiled_attention and kv != "fp32":  # the whole past widened once a layer
+            past = tuple(g.op("Cast", t, to=onnx.TensorProto.FLOAT) for t in past)
+            if kv == "int8":
+                past = (g.op("Mul", past[0], g.transpose(scales[0], [0, 2, 1])), g.op("Mul", past[1], scales[1]))
         gated, new_k, new_v = self.per_call(
-            lambda m: list(self._attention_core(*(self.pad_rows(t, m, 0, 2) for t in (qg, k, v)), *past, a, n=m)),
+            lambda m: list(self._attention_core(*(self.pad_rows(t, m, 0, 2) for t in (qg, k, v)), *past, a, n=m,
+                                                scales=scales)),
             (0, 1, 1))
         g.output(new_k, f"new_key.{i}", np.float32, [nkv, n, hd])
         g.output(new_v, f"new_value.{i}", np.float32, [nkv, n, hd])
@@ -447,14 +461,22 @@ class _Builder:
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [rows, nkv, hd]), [1, 0, 2])
         return q, g.reshape(gate, [rows, nh * hd]), new_k, new_v
 
-    def _attention_core(self, qg, k, v, past_k, past_v, a: str, *, n: int):
+    def _attention_core(self, qg, k, v, past_k, past_v, a: str, *, n: int, scales=(None, None)):
         """Gated attention over n new tokens after the projections: (gated [n, Hq·hd], new K, new V)."""
         c, g = self.cfg, self.g
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         rows = -1 if n is None else n
         q, gate, new_k, new_v = self._attention_inputs(qg, k, v, a, n)
-        attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, self.attention_rows(n)[2], n=n, nh=nh,
-                                  nkv=nkv, hd=hd)
+        mask = self.attention_rows(n)[2]
+        # tiles wherever a call would otherwise hold per-context memory: a chunk's [N, T] scores, or a
+        # widened copy of an fp16 / int8 cache; a few rows over an fp32 cache read it in place untiled
+        # (decode: a Loop's tile copies took 3.2x the attention time at 8k, docs/kv-cache.md)
+        few = n is None or n <= VALUE_ROWS_MAX_N
+        if self.ops.tiled_attention and not (few and self.spec.kv_cache == "fp32"):
+            attn = emit_tiled_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
+                                            widen=self.spec.kv_cache != "fp32", k_scale=scales[0], v_scale=scales[1])
+        else:
+            attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", g.reshape(attn, [rows, nh * hd]), g.op("Sigmoid", gate))
         return gated, new_k, new_v
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hybrid_npu.cli_common import human_bytes as human
 from hybrid_npu.config import ModelConfig
-from hybrid_npu.format import EAGLE3_KIND, MTP_KIND
+from hybrid_npu.format import EAGLE3_KIND, LEGACY_KV_CACHE, MTP_KIND
 from hybrid_npu.runtime.for_export import (DEFAULT_MAX_CHECKPOINTS, MARGIN_BYTES, cpu_graph, plan_memory,
                                           resident_weight_bytes)
 
@@ -80,22 +80,23 @@ def summary_lines(out, manifest: dict, memory_budget: int | None = None) -> list
     w = manifest["weights"]
     params, kind = weights_note(cfg, w, manifest["dtype"])
     sessions = len({cpu_graph(manifest["graphs"], step) for step in ("prefill", "decode")})  # the engine's at load
-    plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=sessions), int(manifest["chunk"]), memory_budget,
+    kv_cache = manifest.get("kv_cache", LEGACY_KV_CACHE)
+    plan = plan_memory(cfg, resident_weight_bytes(w, cpu_sessions=sessions), kv_cache, memory_budget,
                        DEFAULT_MAX_CHECKPOINTS)
     where = "--max-context-memory" if memory_budget else f"available now minus {MARGIN_BYTES >> 30} GiB"
-    per_token = plan.kv_bytes_per_token + plan.scratch_bytes_per_token
+    per_token = plan.kv_bytes_per_token
     free = plan.budget_bytes - plan.weights_bytes - plan.state_bytes - plan.checkpoint_bytes
     fits = max(free, 0) // per_token if per_token else None
     if fits is not None and fits < cfg.max_position_embeddings:
         context = (f"{fits:,} tokens in {human(plan.budget_bytes)} ({where}): weights + state + "
-                   "(K/V + prefill scratch) per token")
+                   "K/V per token")
     else:
         held = f"; {human(plan.budget_bytes)} ({where}) would hold {fits:,}" if fits is not None else ""
         context = f"{cfg.max_position_embeddings:,} tokens (the model's max_position_embeddings{held})"
     facts = [("on disk", human(total)),
              ("weights", f"{human(w['bytes'])} ({params:,} params, {kind})"),
              ("state", f"{human(cfg.state_bytes())} fixed ({gdn} GDN layers)"),
-             ("K/V", f"{cfg.kv_bytes_per_token():,} B per token ({len(cfg.full_layers)} attention layers)"),
+             ("K/V", f"{cfg.kv_bytes_per_token(kv_cache):,} B per token ({kv_cache}, {len(cfg.full_layers)} attention layers)"),
              ("max context", context)]
     for name, npu in manifest.get("npu", {}).items():
         tile = npu.get("tile")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from .graph import GraphBuilder
 
@@ -93,3 +94,93 @@ def emit_dynamic_gqa(g: GraphBuilder, q: str, past_k: str, past_v: str, new_k: s
     out = g.op("Add", g.matmul(p_past, g.unsqueeze(past_v, [1])), g.matmul(p_new, g.unsqueeze(new_v, [1])))
     out = g.transpose(g.reshape(out, [nh, -1, hd]), [1, 0, 2])              # [N, nH, hd]
     return g.reshape(out, [-1, nh * hd])
+
+
+# Past rows per tile of the CPU graphs' attention (emit_tiled_gqa_attention): the scores a call holds
+# are [nH·N, KV_TILE] whatever the context, so no memory grows with it beyond the cache itself.
+KV_TILE = 2048
+
+
+def tiled_gqa_attention_ref(q, past_k, past_v_t, new_k, new_v, mask, tile: int = KV_TILE, k_scale=None,
+                            v_scale=None):
+    """emit_tiled_gqa_attention in numpy: q [N, nH, hd]; past keys [nKV, P, hd] and values transposed
+    [nKV, hd, P] in the cache's dtype (int8 rows times k_scale / v_scale [nKV, 1, P]); new rows
+    [nKV, N, hd] fp32; mask [N, P+N]. The new rows first, then the past in tiles of `tile` rows,
+    merged by the online softmax (running max m, sum l, weighted values acc)."""
+    n, nh, hd = q.shape
+    nkv, p_len = past_k.shape[0], past_k.shape[1]
+    group = nh // nkv
+    qh = q.transpose(1, 0, 2).reshape(nkv, group * n, hd).astype(np.float32) * np.float32(1.0 / math.sqrt(hd))
+    mask_g = np.tile(mask, (group, 1))  # query row r of a KV group is token r % N
+    s = qh @ new_k.transpose(0, 2, 1) + mask_g[:, p_len:]
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    l, acc = e.sum(-1, keepdims=True), e @ new_v
+    for start in range(0, p_len, tile):
+        end = min(start + tile, p_len)
+        s = qh @ past_k[:, start:end].astype(np.float32).transpose(0, 2, 1)
+        if k_scale is not None:
+            s = s * k_scale[:, :, start:end]
+        s = s + mask_g[:, start:end]
+        m_new = np.maximum(m, s.max(-1, keepdims=True))
+        alpha, e = np.exp(m - m_new), np.exp(s - m_new)
+        l = l * alpha + e.sum(-1, keepdims=True)
+        if v_scale is not None:
+            e = e * v_scale[:, :, start:end]
+        acc = acc * alpha + e @ past_v_t[:, :, start:end].astype(np.float32).transpose(0, 2, 1)
+        m = m_new
+    return (acc / l).reshape(nh, n, hd).transpose(1, 0, 2)
+
+
+def emit_tiled_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_values_t: str, new_keys: str,
+                             new_values: str, mask: str, *, n: int | None, nh: int, nkv: int, hd: int,
+                             tile: int = KV_TILE, widen: bool = False, k_scale: str | None = None,
+                             v_scale: str | None = None) -> str:
+    """emit_gqa_attention's result, computed the way tiled_gqa_attention_ref is: the new rows, then
+    a Loop over the past in tiles of `tile` rows with an online-softmax carry. No [N, P] scores and
+    no fp32 copy of a non-fp32 cache exist at once: each tile is widened (Cast; int8 rows scaled
+    after the products, on the [nH·N, tile] scores and probabilities, not on the rows) as it is
+    read. For the CPU graphs (a Loop with runtime Slice starts: not for the HTP). n None: any count;
+    widen: the past is not fp32 (fp16, or int8 with its scales [nKV, 1, P])."""
+    group = nh // nkv
+    rows = -1 if n is None else group * n
+    qh = g.reshape(g.transpose(q, [1, 0, 2]), [nkv, rows, hd])
+    qh = g.op("Mul", qh, g.const(1.0 / math.sqrt(hd)))
+    big = np.iinfo(np.int64).max
+    past = g.op("Shape", past_keys, start=1, end=2)
+    group_rows = g.ints([group, 1])
+    s = g.op("Add", g.matmul(qh, g.transpose(new_keys, [0, 2, 1])),
+             g.op("Tile", g.op("Slice", mask, past, g.ints([big]), g.ints([1])), group_rows))
+    m = g.op("ReduceMax", s, g.ints([-1]), keepdims=1)
+    e = g.op("Exp", g.op("Sub", s, m))
+    l, acc = g.op("ReduceSum", e, g.ints([-1]), keepdims=1), g.matmul(e, new_values)
+    rows_first = n is None or n <= VALUE_ROWS_MAX_N
+
+    def step(i, m, l, acc):
+        start = g.op("Mul", i, g.ints([tile]))
+        end = g.op("Min", g.op("Add", start, g.ints([tile])), past)  # the mask's new-row columns follow
+        kt = g.op("Slice", past_keys, start, end, g.ints([1]))
+        vt = g.op("Slice", past_values_t, start, end, g.ints([2]))
+        if widen:
+            kt, vt = g.op("Cast", kt, to=TensorProto.FLOAT), g.op("Cast", vt, to=TensorProto.FLOAT)
+        if rows_first:  # the keys as the product's rows too: no transposed copy of the tile
+            s = g.transpose(g.matmul(kt, g.transpose(qh, [0, 2, 1])), [0, 2, 1])
+        else:
+            s = g.matmul(qh, g.transpose(kt, [0, 2, 1]))
+        if k_scale is not None:
+            s = g.op("Mul", s, g.op("Slice", k_scale, start, end, g.ints([2])))
+        s = g.op("Add", s, g.op("Tile", g.op("Slice", mask, start, end, g.ints([1])), group_rows))
+        m_new = g.op("Max", m, g.op("ReduceMax", s, g.ints([-1]), keepdims=1))
+        alpha, e = g.op("Exp", g.op("Sub", m, m_new)), g.op("Exp", g.op("Sub", s, m_new))
+        l = g.op("Add", g.op("Mul", l, alpha), g.op("ReduceSum", e, g.ints([-1]), keepdims=1))
+        if v_scale is not None:
+            e = g.op("Mul", e, g.op("Slice", v_scale, start, end, g.ints([2])))
+        if rows_first:  # the values as the product's rows (emit_gqa_attention: why)
+            pv = g.transpose(g.matmul(vt, g.transpose(e, [0, 2, 1])), [0, 2, 1])
+        else:
+            pv = g.matmul(e, g.transpose(vt, [0, 2, 1]))
+        return [m_new, l, g.op("Add", g.op("Mul", acc, alpha), pv)]
+    trips = g.op("Div", g.op("Add", past, g.ints([tile - 1])), g.ints([tile]))
+    _, l, acc = g.loop(trips, [m, l, acc], step)
+    out = g.op("Div", acc, l)
+    return g.transpose(g.reshape(out, [nh, -1 if n is None else n, hd]), [1, 0, 2])

@@ -17,7 +17,7 @@ OPSET = 21
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
 NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
-              np.dtype(np.uint8): TensorProto.UINT8}
+              np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8}
 
 
 def all_nodes(nodes):
@@ -97,6 +97,27 @@ class GraphBuilder:
         self.nodes.append(helper.make_node("If", [cond], outs, name=outs[0], then_branch=branch("then", *then),
                                            else_branch=branch("else", *otherwise)))
         return outs
+
+    def loop(self, trip_count: str, carried: list[str], body) -> list[str]:
+        """Loop over trip_count ([1] int64) iterations, each body(i, *carried) -> the next carried values
+        (fp32; i a [1] int64 counter). The body reads the outer graph's values directly."""
+        it, cond, ins = self.fresh("iter"), self.fresh("cond"), [self.fresh("carry") for _ in carried]
+        with self.capture() as nodes:
+            outs = body(self.op("Unsqueeze", it, self.ints([0])), *ins)
+            outs = [self.op("Identity", o) if o in ins else o for o in outs]  # a body output needs its own name
+        cond_out = self.fresh("cond_out")
+        nodes.append(helper.make_node("Identity", [cond], [cond_out], name=cond_out))
+        f = TensorProto.FLOAT
+        body_graph = helper.make_graph(
+            nodes, self.fresh("loop_body"),
+            [helper.make_tensor_value_info(it, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
+             *[helper.make_tensor_value_info(x, f, None) for x in ins]],
+            [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+             *[helper.make_tensor_value_info(o, f, None) for o in outs]])
+        results = [self.fresh("loop") for _ in carried]
+        trips = self.op("Squeeze", trip_count, self.ints([0]))
+        self.nodes.append(helper.make_node("Loop", [trips, "", *carried], results, name=results[0], body=body_graph))
+        return results
 
     def op(self, op_type: str, *inputs: str, n_out: int = 1, omit: tuple[int, ...] = (), **attrs):
         """omit: indices of optional outputs left unnamed (not computed); the rest are returned."""

@@ -18,7 +18,7 @@ import numpy as np
 from hybrid_npu.chat_files import sampling_defaults
 from hybrid_npu.cli_common import check_threads
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, VERIFY_ANY_COUNT, manifest_hash
+from hybrid_npu.format import DRAFTER_MANIFEST, KV_CACHES, LEGACY_KV_CACHE, MANIFEST, VERIFY_ANY_COUNT, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
@@ -100,6 +100,10 @@ class Engine:
         check_threads(threads, "threads=")
         self.manifest, self.config = read_manifest(self.path)  # one line for a damaged or lying manifest
         self.chunk = int(self.manifest["chunk"])
+        self.kv_cache = self.manifest.get("kv_cache", LEGACY_KV_CACHE)  # the K/V rows' dtype (runtime/state.py)
+        if self.kv_cache not in KV_CACHES:
+            raise UserError(f"{self.path}: kv_cache {self.kv_cache!r} in {MANIFEST} is not one of "
+                            f"{', '.join(KV_CACHES)}; re-export it with this hybrid-npu (export-hybrid --kv-cache)")
         self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max
         self.prefill_mode = prefill
         npu = self.profile.name if self.profile.has_npu and prefill != "cpu" else None
@@ -114,7 +118,7 @@ class Engine:
                     session = cpu_session(self.path / file, self.manifest, threads)
                 except Exception as e:  # ORT's own error types: a file it cannot read
                     raise damaged(self.path, file, e) from None
-                check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"])
+                check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"], self.kv_cache)
                 opened[file] = Pipeline([session], CPU_DEVICE)
             return opened[file]
 
@@ -141,7 +145,7 @@ class Engine:
             raise UserError(f"checkpoints={checkpoints}: give 0 (none) or more")
         self.checkpoints = Checkpoints(checkpoints)
         self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
-                                  self.chunk, memory or self.profile.memory_budget_bytes or None, checkpoints)
+                                  self.kv_cache, memory or self.profile.memory_budget_bytes or None, checkpoints)
         # the shape the export records as measured best for its drafter, else a tree where rounds
         # verify on the NPU and a chain where the CPU does (runtime/speculative.py, why)
         shape = (self.manifest.get("drafter", {}).get("draft_shape")
@@ -221,7 +225,7 @@ class Engine:
 
     # ---------------------------------------------------------------- steps
     def reset(self) -> None:
-        self.state = State.fresh(self.config, KV_BLOCK)
+        self.state = State.fresh(self.config, KV_BLOCK, self.kv_cache)
         self._pending: list[int] = []
         self._tap_pending: np.ndarray | None = None
         self.checkpoints.clear()
@@ -516,7 +520,7 @@ class Engine:
         from .snapshot import read_snapshot
 
         state, extra, saved = read_snapshot(path, self.config, manifest_hash(self.path), KV_BLOCK,
-                                            self.memory.max_context)
+                                            self.memory.max_context, self.kv_cache)
         if check is not None:
             check(extra)
         self.state = state

@@ -19,7 +19,7 @@ from .state import KV_BLOCK, State
 from .step_inputs import chain_feed
 
 REQUIRED = {"config": dict, "chunk": int, "graphs": dict, "weights": dict}
-_STATE_PREFIXES = ("conv_state.", "recurrent_state.", "past_key.", "past_value.")
+_STATE_PREFIXES = ("conv_state.", "recurrent_state.", "past_key.", "past_value.")  # (and past_key_scale. ...)
 _CHAIN_GRAPHS = ("prefill", "decode", "cpu")  # the graphs fed by chain_feed (verify takes a tree)
 MAX_GRAPH_TOKENS = 4096  # a graph's N (chunk, verify nodes): its feeds hold N x (T + N) fp32 masks
 MAX_STATE_BYTES = 1 << 36   # 64 GiB of fixed state: no model this runs comes near it
@@ -114,8 +114,9 @@ def _dims(shape) -> list:
     return [d if isinstance(d, int) else None for d in shape]
 
 
-def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int) -> None:
-    """The graph's declared inputs/outputs against what the manifest's config feeds and expects."""
+def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int, kv_cache: str = "fp32") -> None:
+    """The graph's declared inputs/outputs against what the manifest's config (and K/V cache dtype) feeds
+    and expects."""
     if name not in _CHAIN_GRAPHS:
         return
     inputs = {i.name: _dims(i.shape) for i in session.get_inputs()}
@@ -131,7 +132,7 @@ def check_chain_graph(path: Path, name: str, session, cfg: ModelConfig, n: int) 
         if got is not None and (len(got) != len(want) or any(g is not None and w is not None and g != w
                                                              for g, w in zip(got, want))):
             raise contradiction(f"input {k} is {got} in the graph, {want} by the config")
-    feed = chain_feed(cfg, State.fresh(cfg, KV_BLOCK), [0], n)
+    feed = chain_feed(cfg, State.fresh(cfg, KV_BLOCK, kv_cache), [0], n)
 
     units = {f"recurrent_scale.{i}" for i in cfg.linear_layers}  # Pipeline feeds these (state units)
     for k in inputs:

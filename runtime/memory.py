@@ -2,8 +2,11 @@
 budget, giving the largest context that fits (docs/architecture.md). A prompt beyond the plan is refused
 before any work, never swapped or crashed into.
 
-Per token the plan charges the K/V rows (full-attention layers only) and the prefill's
-attention scratch (scores and probabilities of one chunk against the whole context, fp32).
+Per token the plan charges exactly what the K/V cache holds for it: the full-attention layers' K
+and V rows in the export's cache dtype (format.KV_CACHES; an int8 row with its scale). Nothing else
+grows with the context: the CPU graphs' attention reads the past in fixed tiles
+(kernels/attention.emit_tiled_gqa_attention), so its scores and widened rows are a constant, inside
+MARGIN_BYTES.
 """
 from __future__ import annotations
 
@@ -23,14 +26,13 @@ class MemoryPlan:
     weights_bytes: int
     state_bytes: int
     kv_bytes_per_token: int
-    scratch_bytes_per_token: int
     max_position: int
     checkpoint_bytes: int = 0  # the turn checkpoints' copies of the GDN state, at most as many as kept
 
     @property
     def max_context(self) -> int:
         free = self.budget_bytes - self.weights_bytes - self.state_bytes - self.checkpoint_bytes
-        per_token = self.kv_bytes_per_token + self.scratch_bytes_per_token
+        per_token = self.kv_bytes_per_token
         if free <= 0:
             return 0
         return min(free // per_token, self.max_position) if per_token else self.max_position
@@ -39,7 +41,7 @@ class MemoryPlan:
     @property
     def limited_by_position(self) -> bool:
         """The model's max_position_embeddings, not the budget, sets max_context."""
-        per_token = self.kv_bytes_per_token + self.scratch_bytes_per_token
+        per_token = self.kv_bytes_per_token
         free = self.budget_bytes - self.weights_bytes - self.state_bytes
         return free > 0 and (not per_token or free // per_token >= self.max_position)
 
@@ -88,11 +90,10 @@ def default_budget() -> int:
     return max(psutil.virtual_memory().available - MARGIN_BYTES, 0)
 
 
-def plan_memory(cfg: ModelConfig, weights_bytes: int, chunk: int, budget: int | None,
+def plan_memory(cfg: ModelConfig, weights_bytes: int, kv_cache: str, budget: int | None,
                 checkpoints: int = 0) -> MemoryPlan:
-    """checkpoints: how many turn checkpoints the engine may keep, each a copy of the GDN state."""
-    scratch = 2 * cfg.num_attention_heads * chunk * 4 if cfg.full_layers else 0
+    """kv_cache: the export's K/V cache dtype (model.json "kv_cache"); checkpoints: how many turn
+    checkpoints the engine may keep, each a copy of the GDN state."""
     return MemoryPlan(budget_bytes=int(budget) if budget else default_budget(), weights_bytes=weights_bytes,
                       state_bytes=cfg.state_bytes(), checkpoint_bytes=cfg.state_bytes() * checkpoints,
-                      kv_bytes_per_token=cfg.kv_bytes_per_token(),
-                      scratch_bytes_per_token=scratch, max_position=cfg.max_position_embeddings)
+                      kv_bytes_per_token=cfg.kv_bytes_per_token(kv_cache), max_position=cfg.max_position_embeddings)

@@ -39,6 +39,8 @@ def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.Inferen
     return cpu_inference_session(path, opts)
 
 
+_FLOAT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16)}
+
 STATE_PEAK = 64.0  # the largest |entry| of a recurrent state the HTP is fed (in its per-head units)
 
 
@@ -65,6 +67,11 @@ class Pipeline:
         # overridable initializers: inputs with a default (the any-N graph's chunk-only inputs)
         self._inputs = [{i.name for i in (*s.get_inputs(), *s.get_overridable_initializers())} for s in sessions]
         self._outputs = [[o.name for o in s.get_outputs()] for s in sessions]
+        # the float dtype each session takes its past K/V in, where it differs from the cache's own
+        # (an NPU part reads fp32 rows out of an fp16 cache): widened or narrowed per call
+        self._kv_dtypes = [{i.name: _FLOAT_TYPES[i.type] for i in s.get_inputs()
+                            if i.name.startswith(("past_key.", "past_value.")) and i.type in _FLOAT_TYPES}
+                           for s in sessions]
 
     def run(self, feed: dict[str, np.ndarray], on_part=None) -> dict[str, np.ndarray]:
         """on_part(i, inputs): sees what part i is fed (the QDQ calibration records it)."""
@@ -72,6 +79,9 @@ class Pipeline:
         feed = dict(feed)
         for i, (session, wanted, names) in enumerate(zip(self.sessions, self._inputs, self._outputs)):
             inputs = {k: v for k, v in feed.items() if k in wanted}
+            for name, dtype in self._kv_dtypes[i].items():
+                if name in inputs and inputs[name].dtype != dtype and inputs[name].dtype.kind == "f":
+                    inputs[name] = inputs[name].astype(dtype)
             units = _state_units(feed, wanted, npu=self.device != "CPU")
             for layer, u in units.items():
                 inputs[f"recurrent_state.{layer}"] = inputs[f"recurrent_state.{layer}"] / u[:, None, None]

@@ -39,7 +39,7 @@ class ServedContexts:
             live = scores[best]
         elif live == 0:  # another conversation: keep this one aside instead of starting over on it
             self._hold(self.engine.detach())
-        per_token = self.engine.memory.kv_bytes_per_token + self.engine.memory.scratch_bytes_per_token
+        per_token = self.engine.memory.kv_bytes_per_token
         while self.held and self.held_bytes() + need_tokens * per_token > self._free_bytes():
             self.held.pop(0)
         return live

@@ -2,13 +2,15 @@
 
 Why this is cheap: a Gated DeltaNet layer's state does not grow with the context. Each GDN layer
 holds conv_dim * (K-1) * 4 + Hv * Dk * Dv * 4 bytes (conv window + fp32 delta-rule matrix), and
-each full-attention layer holds 2 * nKV * hd * 4 bytes per token in use (K and V rows
-[0, position); the unused capacity is not written). For Qwen3.5-0.8B that is 18 x 1.07 MiB
-= 19.3 MiB of GDN state plus 24 KiB per token for its 6 attention layers, so a 4k-token
-conversation saves in about 115 MiB and restores without re-running the prompt.
+each full-attention layer what its K/V cache holds per token in use (K and V rows [0, position),
+2 * nKV * hd * 2 bytes in fp16; the unused capacity is not written). For Qwen3.5-0.8B that is
+18 x 1.07 MiB = 19.3 MiB of GDN state plus 12 KiB per token (fp16) for its 6 attention layers, so
+a 4k-token conversation saves in about 67 MiB and restores without re-running the prompt.
 
 The file is plain safetensors (never pickle): tensors `gdn.{i}.conv`, `gdn.{i}.recurrent`,
-`attention.{i}.key`, `attention.{i}.value` ([nKV, position, hd]) and `tokens` (int64
+`attention.{i}.key`, `attention.{i}.value` ([nKV, position, hd], in the K/V cache's dtype: fp32,
+fp16, or int8 with `attention.{i}.key_scale` / `.value_scale` [nKV, position]; any of them loads
+into any cache) and `tokens` (int64
 [position]), and each turn checkpoint's GDN copies `checkpoint.{j}.gdn.{i}.conv` / `.recurrent`
 (its K/V are the first rows of the saved ones); the metadata holds `format`, `model` (the export's
 manifest hash), `position`, `checkpoints` (their positions, JSON) and `checksum` (sha256 over every
@@ -30,11 +32,14 @@ import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import KV_CACHES, LEGACY_KV_CACHE
 from hybrid_npu.safe_files import open_regular, safetensors_header
 
 from .atomic_io import write_atomically
 from .checkpoints import Checkpoint
 from .state import State
+
+_ROW_DTYPES = tuple(np.dtype(d) for d in KV_CACHES.values())  # a saved K/V row's dtype: the cache's
 
 FORMAT = "hybrid-npu-state/2"
 READABLE_FORMATS = ("hybrid-npu-state/1", FORMAT)  # 1: before turn checkpoints
@@ -69,9 +74,11 @@ def _tensors(state: State, checkpoints) -> dict[str, np.ndarray]:
         for i in state.gdn:
             out[f"checkpoint.{j}.gdn.{i}.conv"] = _canonical(np.asarray(checkpoint.conv[i], np.float32))
             out[f"checkpoint.{j}.gdn.{i}.recurrent"] = _canonical(np.asarray(checkpoint.recurrent[i], np.float32))
-    for i, layer in state.attention.items():
-        out[f"attention.{i}.key"] = _canonical(np.asarray(layer.key[:, :pos], np.float32))
-        out[f"attention.{i}.value"] = _canonical(np.asarray(layer.values(pos), np.float32))  # rows, as keys
+    for i, layer in state.attention.items():  # in the cache's own dtype: a snapshot holds what the cache holds
+        keys, values, k_scale, v_scale = layer.rows(pos)
+        out[f"attention.{i}.key"], out[f"attention.{i}.value"] = _canonical(keys), _canonical(values)  # rows, as keys
+        if k_scale is not None:
+            out[f"attention.{i}.key_scale"], out[f"attention.{i}.value_scale"] = _canonical(k_scale), _canonical(v_scale)
     out["tokens"] = _canonical(np.asarray(state.tokens, np.int64).reshape(-1))
     return out
 
@@ -133,7 +140,8 @@ def _expected_shapes(cfg: ModelConfig, position: int, n_checkpoints: int) -> dic
 
 
 HEADER_BYTES = 64 << 20  # the header holds the chat's messages too: a long conversation's text
-_DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
+_DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
+_ROW_TAGS = ("F32", "F16", "I8")  # K/V rows: any cache dtype (read_snapshot converts them)
 
 
 def _check_header(path: Path, header: dict, cfg: ModelConfig, model_hash: str,
@@ -155,6 +163,11 @@ def _check_header(path: Path, header: dict, cfg: ModelConfig, model_hash: str,
                         f"{max_position}; give the model more memory (--memory) or load a shorter conversation")
     positions = _checkpoint_positions(path, metadata, position)
     expected = _expected_shapes(cfg, position, len(positions))
+    int8_rows = any(n.startswith("attention.") and isinstance(v, dict) and v.get("dtype") == "I8"
+                    for n, v in header.items())
+    if int8_rows:  # an int8 cache's rows come with a scale each
+        expected.update({f"attention.{i}.{name}_scale": (cfg.num_key_value_heads, position)
+                         for i in cfg.full_layers for name in ("key", "value")})
     foreign_first = sorted(set(header) - set(expected)) + sorted(expected)  # a stranger's tensor: the clearer sign
     for name in foreign_first:
         if name not in header:
@@ -165,6 +178,9 @@ def _check_header(path: Path, header: dict, cfg: ModelConfig, model_hash: str,
             raise UserError(f"cannot load state {path}: tensor {name[:60]} has no place in this model "
                             f"(expected none); load it with the model it was saved from")
         want_dtype = "I64" if name == "tokens" else "F32"
+        if name.startswith("attention.") and not name.endswith("_scale") and info["dtype"] in _ROW_TAGS \
+                and (info["dtype"] == "I8") == int8_rows:
+            want_dtype = info["dtype"]
         if tuple(info["shape"]) != expected[name] or info["dtype"] != want_dtype:
             raise UserError(f"cannot load state {path}: tensor {name} is {str(info['dtype'])[:8]} "
                             f"{info['shape'][:6]}, this model expects {_DTYPES[want_dtype].name} "
@@ -211,9 +227,10 @@ def _read(path: Path, cfg: ModelConfig, model_hash: str,
     return metadata, tensors
 
 
-def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int, max_position: int | None = None) -> State:
+def load_state(path, cfg: ModelConfig, model_hash: str, capacity: int, max_position: int | None = None,
+               kv_cache: str = LEGACY_KV_CACHE) -> State:
     """Read a snapshot saved by save_state for the model `model_hash`; refuses anything else."""
-    return read_snapshot(path, cfg, model_hash, capacity, max_position)[0]
+    return read_snapshot(path, cfg, model_hash, capacity, max_position, kv_cache)[0]
 
 
 def _checkpoint_positions(path: Path, metadata: dict, position: int) -> list[int]:
@@ -228,11 +245,14 @@ def _checkpoint_positions(path: Path, metadata: dict, position: int) -> list[int
 
 
 def read_snapshot(path, cfg: ModelConfig, model_hash: str, capacity: int,
-                  max_position: int | None = None) -> tuple[State, dict[str, str], list[Checkpoint]]:
-    """The State, the extra metadata (save_state's `extra`) and the turn checkpoints of one
-    snapshot, from one read of one file: what a concurrent save replaces is either all seen or not
-    at all. max_position: the most context the memory plan allows (a longer snapshot is refused
-    before its tensors are read)."""
+                  max_position: int | None = None,
+                  kv_cache: str = LEGACY_KV_CACHE) -> tuple[State, dict[str, str], list[Checkpoint]]:
+    """The State (its K/V in the cache dtype kv_cache), the extra metadata (save_state's `extra`)
+    and the turn checkpoints of one snapshot, from one read of one file: what a concurrent save
+    replaces is either all seen or not at all. max_position: the most context the memory plan
+    allows (a longer snapshot is refused before its tensors are read). The saved K/V may be in any
+    cache dtype (fp32, as every snapshot before the option, fp16, int8 with scales): rows are
+    converted on the way in."""
     path = Path(path)
     try:
         if path.is_dir():
@@ -256,6 +276,10 @@ def read_snapshot(path, cfg: ModelConfig, model_hash: str, capacity: int,
 
     positions = _checkpoint_positions(path, metadata, position)
     expected = _expected_shapes(cfg, position, len(positions))
+    int8_rows = any(t.dtype == np.int8 for name, t in tensors.items() if name.startswith("attention."))
+    if int8_rows:  # an int8 cache's rows come with a scale each
+        expected.update({f"attention.{i}.{name}_scale": (cfg.num_key_value_heads, position)
+                         for i in cfg.full_layers for name in ("key", "value")})
     for name in sorted(set(expected) | set(tensors)):
         if name not in tensors:
             raise UserError(f"cannot load state {path}: tensor {name} is missing (this model expects shape "
@@ -265,18 +289,24 @@ def read_snapshot(path, cfg: ModelConfig, model_hash: str, capacity: int,
             raise UserError(f"cannot load state {path}: tensor {name} {list(got.shape)} has no place in this model "
                             f"(expected none); load it with the model it was saved from")
         want_dtype = np.int64 if name == "tokens" else np.float32
+        if name.startswith("attention.") and not name.endswith("_scale"):  # K/V rows: any cache dtype, all alike
+            want_dtype = got.dtype if got.dtype in _ROW_DTYPES and (got.dtype == np.int8) == int8_rows else np.float32
         if tuple(got.shape) != expected[name] or got.dtype != want_dtype:
             raise UserError(f"cannot load state {path}: tensor {name} is {np.dtype(got.dtype).name} "
                             f"{list(got.shape)}, this model expects {np.dtype(want_dtype).name} {list(expected[name])}; "
                             f"load it with the model it was saved from")
 
-    state = State.fresh(cfg, capacity)
+    state = State.fresh(cfg, capacity, kv_cache)
     state.ensure_capacity(position)
     for i, layer in state.gdn.items():
         layer.conv[...] = tensors[f"gdn.{i}.conv"]
         layer.recurrent[...] = tensors[f"gdn.{i}.recurrent"]
     for i, layer in state.attention.items():
-        layer.write(0, tensors[f"attention.{i}.key"], tensors[f"attention.{i}.value"])
+        keys, values = tensors[f"attention.{i}.key"], tensors[f"attention.{i}.value"]
+        scales = (tensors[f"attention.{i}.key_scale"], tensors[f"attention.{i}.value_scale"]) if int8_rows else None
+        if scales is not None and layer.key_scale is None:  # int8 rows into a float cache: widened
+            keys, values, scales = keys * scales[0][..., None], values * scales[1][..., None], None
+        layer.write(0, keys, values, scales)
     state.position = position
     state.tokens = [int(t) for t in tensors["tokens"]]
     checkpoints = [Checkpoint(p, {i: tensors[f"checkpoint.{j}.gdn.{i}.conv"] for i in state.gdn},

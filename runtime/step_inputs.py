@@ -39,6 +39,8 @@ def context_feed(cfg: ModelConfig, state: State, depth: np.ndarray, visible: np.
     for i, layer in state.attention.items():
         feed[f"past_key.{i}"] = layer.key
         feed[f"past_value.{i}"] = layer.value
+        if layer.key_scale is not None:
+            feed[f"past_key_scale.{i}"], feed[f"past_value_scale.{i}"] = layer.key_scale, layer.value_scale
     return feed
 
 

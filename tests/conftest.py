@@ -30,7 +30,9 @@ class Built:
 def _build(tmp_path_factory, name, writer, **kw):
     root = tmp_path_factory.mktemp(name)
     ref = writer(root / "hf", **kw)
-    export(root / "hf", root / "export", chunk=CHUNK)
+    # the fp32 K/V cache: these fixtures hold the graphs to transformers at fp32 tolerance; the fp16
+    # default and int8 are held to it in tests/test_kv_cache.py
+    export(root / "hf", root / "export", chunk=CHUNK, kv_cache="fp32")
     return Built(root / "hf", root / "export", ref)
 
 
@@ -120,7 +122,9 @@ def release(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qwen35_release")
     ref = write_real_vocab_checkpoint(root / "hf", root / "tok-cache", seed=11)
-    export(root / "hf", root / "export", chunk=CHUNK)
+    # the fp32 K/V cache: these fixtures hold the graphs to transformers at fp32 tolerance; the fp16
+    # default and int8 are held to it in tests/test_kv_cache.py
+    export(root / "hf", root / "export", chunk=CHUNK, kv_cache="fp32")
     return Release(root / "hf", root / "export", ref, root / "tok-cache")
 
 

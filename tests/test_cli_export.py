@@ -15,6 +15,7 @@ import fixtures
 import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.parity import check_parity
+from hybrid_npu.format import DEFAULT_KV_CACHE
 from hybrid_npu.cli_common import byte_size, human_bytes as human
 
 
@@ -49,7 +50,7 @@ def run_export(*args):
 
 def test_summary_table_and_parity_line(text_tied, tmp_path):
     out = tmp_path / "out"
-    proc = run_export(text_tied.src, out, "--chunk", "8", "--max-context-memory", "64M")
+    proc = run_export(text_tied.src, out, "--chunk", "8", "--max-context-memory", "24M")
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "model.json").read_text())
     lines = proc.stdout.splitlines()
@@ -62,9 +63,10 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
         assert human((out / g["file"]).stat().st_size) in row
     assert f"{manifest['weights']['params']:,} params" in proc.stdout
     assert f"{manifest['state']['kv_bytes_per_token']:,} B per token" in proc.stdout
+    assert manifest["kv_cache"] == DEFAULT_KV_CACHE
     # the context the runtime plans for this export in this budget, as hybrid_npu.load plans it
-    fits = hybrid_npu.load(out, memory=64 * 2**20).memory_report()["max_context"]
-    assert f"max context  {fits:,} tokens in 64.0 MiB" in proc.stdout
+    fits = hybrid_npu.load(out, memory=24 * 2**20).memory_report()["max_context"]
+    assert f"max context  {fits:,} tokens in 24.0 MiB" in proc.stdout
     m = re.fullmatch(r"parity: ok \((\d+) source tensors equal weights.bin \(max \|diff\| (\S+)\), prefill vs 5 "
                      r"decode steps: logits max \|diff\| (\S+), state (\S+); relative L2 (\S+) and (\S+)\)",
                      lines[-1])

@@ -198,7 +198,7 @@ def test_closed_stdout_exits_quietly(text_tied, tmp_path, cli):
 # ---------------------------------------------------------------- the memory plan bounds decoding (point 11)
 def _budget(plan, max_context: int) -> int:
     return (plan.weights_bytes + plan.state_bytes + plan.checkpoint_bytes
-            + max_context * (plan.kv_bytes_per_token + plan.scratch_bytes_per_token))
+            + max_context * plan.kv_bytes_per_token)
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])

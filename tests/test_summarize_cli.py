@@ -138,7 +138,7 @@ def budget_for(model_dir, max_context: int) -> int:
     """The --memory that gives exactly max_context tokens (checked against the engine's own plan)."""
     plan = hybrid_npu.load(model_dir, checkpoints=0).memory  # npu-summarize keeps no turn checkpoints
     budget = (plan.weights_bytes + plan.state_bytes
-              + max_context * (plan.kv_bytes_per_token + plan.scratch_bytes_per_token))
+              + max_context * plan.kv_bytes_per_token)
     assert hybrid_npu.load(model_dir, memory=budget, checkpoints=0).memory_report()["max_context"] == max_context
     return budget
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .errors import UserError
+from .format import kv_row_bytes
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -75,9 +76,10 @@ class ModelConfig:
                      + self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim) * 4
         return per_layer * len(self.linear_layers)
 
-    def kv_bytes_per_token(self, bytes_per_elem: int = 4) -> int:
-        """KV growth per token: full-attention layers only, n_full * 2 * nKV * hd * bytes."""
-        return len(self.full_layers) * 2 * self.num_key_value_heads * self.head_dim * bytes_per_elem
+    def kv_bytes_per_token(self, kv_cache: str = "fp32") -> int:
+        """KV growth per token: full-attention layers only, n_full * 2 * nKV * (a row's bytes in the
+        cache dtype: hd elements, and an int8 row's scale)."""
+        return len(self.full_layers) * 2 * self.num_key_value_heads * kv_row_bytes(self.head_dim, kv_cache)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -10,6 +10,22 @@ import numpy as np
 FORMAT = "hybrid-npu/2"               # model.json's "format" (2: past values transposed, [nKV, hd, T])
 MANIFEST = "model.json"               # the export's manifest, at its root
 STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}  # model.json "dtype": how float weights are stored
+# model.json "kv_cache": the dtype the full-attention K/V rows are kept in (the State, the graphs' past_key /
+# past_value inputs, snapshots). int8 rows carry one fp32 scale per row and KV head (past_key_scale.{i},
+# past_value_scale.{i} [nKV, 1, past_len]); an export without the entry keeps fp32 (made before the option).
+# The default stays fp32: on the x86 CPU measured, an fp16 cache cost ~20% of decode at 8k (its tiled
+# attention 30.5 ms against 12.9 in place; the ORT CPU EP has no x86 fp16 arithmetic; docs/kv-cache.md),
+# past the 15% the switch was allowed to cost
+KV_CACHES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
+DEFAULT_KV_CACHE, LEGACY_KV_CACHE = "fp32", "fp32"
+KV_SCALE_BYTES = 4                    # an int8 row's scale (fp32), per KV head
+
+
+def kv_row_bytes(head_dim: int, kv_cache: str) -> int:
+    """Bytes one K (or V) row of one KV head holds in the cache: its elements, and an int8 row's scale."""
+    return head_dim * np.dtype(KV_CACHES[kv_cache]).itemsize + (KV_SCALE_BYTES if kv_cache == "int8" else 0)
+
+
 DRAFTER_DIR = "drafter"               # an export's own drafter, beside graphs/
 DRAFTER_FORMAT = "hybrid-npu-drafter/1"
 MTP_DIR = "mtp"                       # an export's MTP drafter, beside drafter/ (EAGLE-3)

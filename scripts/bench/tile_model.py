@@ -1,7 +1,7 @@
 """MODELLED cost of one 128-token NPU prefill chunk at a context position, tiled attention against the
 fixed-T_max design (docs/long-context.md): attention FLOPs, K/V bytes the HTP reads (fp16) and NPU
 calls. From the Qwen3.5 0.8B and 4B text configs and the X Elite profile's part ceiling; nothing
-is measured. Usage: python scripts/tile_model.py [--tile 2048] [--t-max 16384]"""
+is measured. Usage: python scripts/bench/tile_model.py [--tile 2048] [--t-max 16384]"""
 import argparse
 import json
 

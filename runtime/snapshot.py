@@ -39,7 +39,6 @@ from .atomic_io import write_atomically
 from .checkpoints import Checkpoint
 from .state import State
 
-_ROW_DTYPES = tuple(np.dtype(d) for d in KV_CACHES.values())  # a saved K/V row's dtype: the cache's
 
 FORMAT = "hybrid-npu-state/2"
 READABLE_FORMATS = ("hybrid-npu-state/1", FORMAT)  # 1: before turn checkpoints
@@ -141,7 +140,8 @@ def _expected_shapes(cfg: ModelConfig, position: int, n_checkpoints: int) -> dic
 
 HEADER_BYTES = 64 << 20  # the header holds the chat's messages too: a long conversation's text
 _DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
-_ROW_TAGS = ("F32", "F16", "I8")  # K/V rows: any cache dtype (read_snapshot converts them)
+# K/V rows: any cache dtype's (read_snapshot converts them into the engine's)
+_ROW_TAGS = tuple(tag for tag, dtype in _DTYPES.items() if dtype in {np.dtype(d) for d in KV_CACHES.values()})
 
 
 def _check_header(path: Path, header: dict, cfg: ModelConfig, model_hash: str,
@@ -266,35 +266,10 @@ def read_snapshot(path, cfg: ModelConfig, model_hash: str, capacity: int,
     if metadata.get("checksum") != checksum(tensors, hashed_metadata(metadata)):
         raise UserError(f"cannot load state {path}: altered or damaged: checksum mismatch; "
                         f"save the state again or use an intact copy")
-    try:
-        position = int(metadata.get("position", ""))
-        if position < 0:
-            raise ValueError
-    except ValueError:
-        raise UserError(f"cannot load state {path}: bad position {metadata.get('position')!r} in its metadata; "
-                        f"save the state again") from None
-
+    # _read checked every tensor's name, dtype and shape, and the metadata, against this model
+    position = int(metadata["position"])
     positions = _checkpoint_positions(path, metadata, position)
-    expected = _expected_shapes(cfg, position, len(positions))
     int8_rows = any(t.dtype == np.int8 for name, t in tensors.items() if name.startswith("attention."))
-    if int8_rows:  # an int8 cache's rows come with a scale each
-        expected.update({f"attention.{i}.{name}_scale": (cfg.num_key_value_heads, position)
-                         for i in cfg.full_layers for name in ("key", "value")})
-    for name in sorted(set(expected) | set(tensors)):
-        if name not in tensors:
-            raise UserError(f"cannot load state {path}: tensor {name} is missing (this model expects shape "
-                            f"{list(expected[name])}); load it with the model it was saved from")
-        got = tensors[name]
-        if name not in expected:
-            raise UserError(f"cannot load state {path}: tensor {name} {list(got.shape)} has no place in this model "
-                            f"(expected none); load it with the model it was saved from")
-        want_dtype = np.int64 if name == "tokens" else np.float32
-        if name.startswith("attention.") and not name.endswith("_scale"):  # K/V rows: any cache dtype, all alike
-            want_dtype = got.dtype if got.dtype in _ROW_DTYPES and (got.dtype == np.int8) == int8_rows else np.float32
-        if tuple(got.shape) != expected[name] or got.dtype != want_dtype:
-            raise UserError(f"cannot load state {path}: tensor {name} is {np.dtype(got.dtype).name} "
-                            f"{list(got.shape)}, this model expects {np.dtype(want_dtype).name} {list(expected[name])}; "
-                            f"load it with the model it was saved from")
 
     state = State.fresh(cfg, capacity, kv_cache)
     state.ensure_capacity(position)

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from random_checkpoint import COMMON, REAL_TEXT_CONFIGS  # noqa: E402
+from random_checkpoint import model_config  # noqa: E402
 
-from hybrid_npu.config import FULL, LINEAR, ModelConfig  # noqa: E402
+from hybrid_npu.config import ModelConfig  # noqa: E402
 from hybrid_npu.export.quantize import quant_spec  # noqa: E402
 from hybrid_npu.export.exporter import graph_specs  # noqa: E402
 from hybrid_npu.export.step_graph import build_step_graph  # noqa: E402
@@ -38,17 +38,7 @@ DENSE_4B = dict(layers=36, nkv=8, hd=128)  # Qwen3-4B (the issue's figures)
 
 
 def config(name: str) -> ModelConfig:
-    dims = {**COMMON, **(ASSUMED_9B if name == "9B" else REAL_TEXT_CONFIGS[name])}
-    n = dims["num_hidden_layers"]
-    return ModelConfig(
-        vocab_size=dims["vocab_size"], hidden_size=dims["hidden_size"], intermediate_size=dims["intermediate_size"],
-        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)),
-        num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
-        head_dim=dims["head_dim"], linear_num_key_heads=dims["linear_num_key_heads"],
-        linear_num_value_heads=dims["linear_num_value_heads"], linear_key_head_dim=dims["linear_key_head_dim"],
-        linear_value_head_dim=dims["linear_value_head_dim"], linear_conv_kernel_dim=dims["linear_conv_kernel_dim"],
-        rope_theta=1e7, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
-        tie_word_embeddings=dims["tie_word_embeddings"], max_position_embeddings=dims["max_position_embeddings"])
+    return model_config(name, ASSUMED_9B if name == "9B" else None)
 
 
 def int4_weights(cfg: ModelConfig) -> dict:

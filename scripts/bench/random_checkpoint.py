@@ -24,6 +24,25 @@ COMMON = dict(vocab_size=248320, head_dim=256, linear_num_key_heads=16, linear_k
                                "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
+def model_config(name: str, dims: dict | None = None):
+    """The runtime's ModelConfig of a real config `name` (or of `dims`, the same keys), without torch:
+    what the plans and models that need no weights read."""
+    from hybrid_npu.config import FULL, LINEAR, ModelConfig
+
+    d = {**COMMON, **(dims if dims is not None else REAL_TEXT_CONFIGS[name])}
+    rope = d["rope_parameters"]
+    return ModelConfig(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(d["num_hidden_layers"])),
+        num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+        head_dim=d["head_dim"], linear_num_key_heads=d["linear_num_key_heads"],
+        linear_num_value_heads=d["linear_num_value_heads"], linear_key_head_dim=d["linear_key_head_dim"],
+        linear_value_head_dim=d["linear_value_head_dim"], linear_conv_kernel_dim=d["linear_conv_kernel_dim"],
+        rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+        rms_norm_eps=d["rms_norm_eps"], tie_word_embeddings=d["tie_word_embeddings"],
+        max_position_embeddings=d["max_position_embeddings"])
+
+
 def text_config(name: str, **overrides):
     from transformers import Qwen3_5TextConfig
 

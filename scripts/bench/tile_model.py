@@ -4,25 +4,22 @@ calls. From the Qwen3.5 0.8B and 4B text configs and the X Elite profile's part 
 is measured. Usage: python scripts/bench/tile_model.py [--tile 2048] [--t-max 16384]"""
 import argparse
 import json
+import sys
+from pathlib import Path
 
-from hybrid_npu.config import FULL, LINEAR, ModelConfig
-from hybrid_npu.export.parts import cut_at_attention, htp_itemsize, plan_parts
-from hybrid_npu.kernels.attention_tile import BULK_TILES
-from hybrid_npu.profiles.loader import load_profile
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_checkpoint import model_config  # noqa: E402
 
-# docs/qwen35-model.md: hidden, layers, query heads, KV heads, GDN value heads, MLP width (head dim 256)
-DIMS = {"0.8B": (1024, 24, 8, 2, 16, 3584), "4B": (2560, 32, 16, 4, 32, 9216)}
+from hybrid_npu.config import ModelConfig  # noqa: E402
+from hybrid_npu.export.parts import cut_at_attention, htp_itemsize, plan_parts  # noqa: E402
+from hybrid_npu.kernels.attention_tile import BULK_TILES  # noqa: E402
+from hybrid_npu.profiles.loader import load_profile  # noqa: E402
+
 POSITIONS = (1024, 8192, 32768, 131072, 262144)
 
 
 def config(name: str) -> ModelConfig:
-    h, layers, nh, nkv, hv, inter = DIMS[name]
-    return ModelConfig(vocab_size=248320, hidden_size=h, intermediate_size=inter,
-                       layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
-                       num_attention_heads=nh, num_key_value_heads=nkv, head_dim=256, linear_num_key_heads=16,
-                       linear_num_value_heads=hv, linear_key_head_dim=128, linear_value_head_dim=128,
-                       linear_conv_kernel_dim=4, rope_theta=1e7, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True)
+    return model_config(name)
 
 
 def chunk_cost(cfg: ModelConfig, rows: int, c: int) -> tuple[float, float]:
@@ -41,7 +38,7 @@ def main():
     prof = load_profile("snapdragon-x-elite")
     c, b = args.chunk, args.tile
     rows_out = []
-    for name in DIMS:
+    for name in ("0.8B", "4B"):
         cfg = config(name)
         parts = plan_parts(cfg, prof.part_weight_bytes, htp_itemsize(prof))
         segments = len(cut_at_attention(cfg, parts))

@@ -236,7 +236,7 @@ def in_root(root: Path, cmd: list[str], timeout: float, stream: bool = False) ->
 def prepare(work: Path) -> None:
     """A small checkpoint (tests/fixtures.py's text model, built with transformers), exported fp32 /
     int8 / int4 on x86_64; the embedded model's state saved on x86_64 mid-reply."""
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path[:0] = [str(REPO / "tests"), str(REPO / "scripts" / "train")]  # pytest's pythonpath (pyproject)
     import fixtures  # noqa: E402  (torch/transformers: the test extras)
 
     import hybrid_npu

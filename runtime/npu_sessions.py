@@ -14,7 +14,7 @@ from hybrid_npu.format import MASK_DIM, NPU_GRAPHS, PAST_DIM
 
 from .npu_attention import TileAttention
 from .pipeline import Pipeline
-from .qnn import NpuUnavailable, qnn_session, qnn_session_options, qnn_version
+from .qnn import NpuUnavailable, qnn_devices, qnn_session, qnn_session_options, qnn_version
 
 NPU_DEVICE = "QNN/HTP"
 
@@ -90,6 +90,7 @@ def _sessions(path: Path, files: list[str], ctx: dict | None, profile, free_dims
                 print(f"hybrid-npu: QNN context binary unusable: {problem}; compiling from the ONNX graphs",
                       file=sys.stderr)
         elif i == 0:  # a compile takes minutes with no other sign of life: say what it is, and that it is once
+            qnn_devices()  # no QNN at all says so (NpuUnavailable) instead of announcing a compile
             why = "no QNN context binaries for this profile" if problem == "none" else f"QNN context binaries {problem}"
             print(f"hybrid-npu: {why}; compiling from the ONNX graphs for the NPU ({graph}, a minute or two; "
                   "once per run: the engine keeps it)", file=sys.stderr, flush=True)

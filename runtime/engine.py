@@ -162,6 +162,11 @@ class Engine:
                                                      verify_graphs=engine.verify_graphs)
         self._verify_graphs: tuple | None = None  # (what verify_graphs read, its answer)
         self._commit_worker: ThreadPoolExecutor | None = None  # opened by commit_worker()
+        # "npu": where rounds verify on the NPU the drafter drafts the next round meanwhile
+        # (runtime/look_ahead.py); "always": on the CPU too; "off" (default until a device measures it)
+        self.look_ahead = "off"
+        self._ahead = None                                       # a kept look-ahead (look_ahead.LookAhead)
+        self._verify_worker: ThreadPoolExecutor | None = None  # the thread an NPU verify runs on
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""

@@ -316,6 +316,9 @@ def _check_table(data: dict, table: str, path: Path, skip: tuple[str, ...] = ())
     return out
 
 
+_REPORTED: set[str] = set()
+
+
 def _verify_table(data, path: Path, has_npu: bool) -> tuple:
     """The measured [verify] table as verify_by_size; a damaged one is reported in one line and
     left out (the seed verify_device decides then): measured costs are an optimisation, never a
@@ -341,8 +344,11 @@ def _verify_table(data, path: Path, has_npu: bool) -> tuple:
         if [r[0] for r in rows] != sorted({r[0] for r in rows}):
             raise ValueError("sizes must rise")
     except ValueError as e:
-        print(f"hybrid-npu: profile {path}: [verify] measured costs are damaged ({e}); using [dispatch] "
-              f"verify_device instead; re-measure with: npu-bench calibrate --profile {path.stem}", file=sys.stderr)
+        line = (f"hybrid-npu: profile {path}: [verify] measured costs are damaged ({e}); using [dispatch] "
+                f"verify_device instead; re-measure with: npu-bench calibrate --profile {path.stem}")
+        if line not in _REPORTED:  # once a process: a command reads its profile more than once
+            _REPORTED.add(line)
+            print(line, file=sys.stderr)
         return ()
     return tuple(rows)
 

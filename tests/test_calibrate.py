@@ -102,3 +102,20 @@ def test_rounds_verify_where_the_measured_profile_says_per_size(text_tied, htp_p
         assert engine.verify_graph(depth)[0] == device
         assert engine.generate(prompt, 24, stop_at_eos=False) == plain
         assert engine.last_stats["verify_device"] == device and engine.last_stats["rounds"] > 0
+
+
+def test_npu_bench_with_damaged_measured_costs_says_so_in_one_line_and_runs(text_tied, tmp_path):
+    """A hand-damaged [verify] table is no reason to stop: one line names it and the re-measure
+    command, and the seed's verify device decides."""
+    text = load_profile("cpu").source.read_text(encoding="utf-8")
+    text += '\n[verify]\nsizes = [4, 16]\ndevices = ["cpu"]\ncpu_us = [1, 2]\nnpu_us = [0, 0]\n'
+    path = tmp_path / "cpu.toml"
+    path.write_text(text, encoding="utf-8")
+    exe = shutil.which("npu-bench", path=sysconfig.get_path("scripts"))
+    proc = subprocess.run([exe, "calibrate", "--profile", str(path), "--model", text_tied.out, "--lengths", "16",
+                           "--no-write", "--json"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HYBRID_NPU_PROFILE_DIR": str(tmp_path / "user")})
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "[verify]" in line]
+    assert len(lines) == 1 and "damaged" in lines[0] and "npu-bench calibrate --profile cpu" in lines[0]
+    assert json.loads(proc.stdout)["verify"][0]["device"] == "cpu"

@@ -14,6 +14,10 @@ and the fix. Schema (all keys required unless noted; unknown keys are errors):
     [shapes]    prefill_chunk, verify_tree_size, attention_capacity, part_weight_bytes
     [memory]    budget_bytes
     [dispatch]  npu_prefill_min_tokens (only with [npu]), verify_device
+    [verify]    (optional, written by npu-bench calibrate) sizes, devices, cpu_us, npu_us: per verify
+                tree size, the device that verifies it and the measured costs (microseconds, 0 = not
+                measured). A missing table leaves [dispatch] verify_device in charge; a damaged one
+                is reported in one line and left out the same way, so a hand edit never stops a chat.
 """
 from __future__ import annotations
 
@@ -100,6 +104,7 @@ FLAT_FIELDS = {
     "npu_prefill_min_tokens": ("dispatch", "npu_prefill_min_tokens"),
     "verify_device": ("dispatch", "verify_device"),
 }
+VERIFY_KEYS = ("sizes", "devices", "cpu_us", "npu_us")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -128,10 +133,27 @@ class Profile:
     memory_budget_bytes: int             # 0 = auto (psutil available memory minus a margin)
     npu_prefill_min_tokens: int          # 0 when there is no [npu] table (never used then)
     verify_device: str
+    # measured per verify tree size (npu-bench calibrate): ((size, device, cpu_us, npu_us), ...) by size;
+    # () = not measured, [dispatch] verify_device decides
+    verify_by_size: tuple = ()
 
     @property
     def has_npu(self) -> bool:
         return self.npu is not None
+
+    def verify_device_for(self, nodes: int) -> str:
+        """The device the profile verifies a tree of `nodes` on: the measured choice of the smallest
+        measured size that holds it (the largest, past them all); else [dispatch] verify_device."""
+        if not self.verify_by_size:
+            return self.verify_device
+        return next((e for e in self.verify_by_size if e[0] >= nodes), self.verify_by_size[-1])[1]
+
+    @property
+    def verifies_on_npu(self) -> bool:
+        """Whether any round may verify on the NPU (its verify graph is opened then)."""
+        if self.verify_by_size:
+            return any(e[1] == "npu" for e in self.verify_by_size)
+        return self.verify_device == "npu"
 
     def qnn_provider_options(self) -> dict[str, str]:
         """onnxruntime-qnn provider options (names and string values as the EP parses them)."""
@@ -160,6 +182,8 @@ class Profile:
             if f in ("npu_prefill_min_tokens", "attention_tile") and self.npu is None:
                 continue
             d.setdefault(table, {})[key] = getattr(self, f)
+        if self.verify_by_size:
+            d["verify"] = {k: [e[i] for e in self.verify_by_size] for i, k in enumerate(VERIFY_KEYS)}
         return d
 
 
@@ -292,7 +316,46 @@ def _check_table(data: dict, table: str, path: Path, skip: tuple[str, ...] = ())
     return out
 
 
+_REPORTED: set[str] = set()
+
+
+def _verify_table(data, path: Path, has_npu: bool) -> tuple:
+    """The measured [verify] table as verify_by_size; a damaged one is reported in one line and
+    left out (the seed verify_device decides then): measured costs are an optimisation, never a
+    reason to refuse a chat."""
+    try:
+        if not isinstance(data, dict):
+            raise ValueError("it is not a table")
+        unknown = sorted(set(data) - set(VERIFY_KEYS))
+        if unknown or len(data) != len(VERIFY_KEYS):
+            raise ValueError(f"its keys must be exactly {', '.join(VERIFY_KEYS)}")
+        cols = [data[k] for k in VERIFY_KEYS]
+        if not all(isinstance(c, list) for c in cols) or len({len(c) for c in cols}) != 1 or not cols[0]:
+            raise ValueError("sizes, devices, cpu_us and npu_us must be lists of one equal, non-zero length")
+        rows = list(zip(*cols))
+        for size, device, cpu_us, npu_us in rows:
+            if not all(type(v) is int for v in (size, cpu_us, npu_us)) or not 2 <= size <= 512:
+                raise ValueError(f"entry for size {size!r}: sizes must be integers in 2..512 and costs integers")
+            if cpu_us < 0 or npu_us < 0 or cpu_us > 10**9 or npu_us > 10**9:
+                raise ValueError(f"entry for size {size}: costs must be in 0..1000000000 microseconds")
+            if device not in VERIFY_DEVICES or (device == "npu" and not (has_npu and npu_us)) \
+                    or (device == "cpu" and not cpu_us):
+                raise ValueError(f"entry for size {size}: device {device!r} has no measured cost there")
+        if [r[0] for r in rows] != sorted({r[0] for r in rows}):
+            raise ValueError("sizes must rise")
+    except ValueError as e:
+        line = (f"hybrid-npu: profile {path}: [verify] measured costs are damaged ({e}); using [dispatch] "
+                f"verify_device instead; re-measure with: npu-bench calibrate --profile {path.stem}")
+        if line not in _REPORTED:  # once a process: a command reads its profile more than once
+            _REPORTED.add(line)
+            print(line, file=sys.stderr)
+        return ()
+    return tuple(rows)
+
+
 def _from_data(data: dict, path: Path) -> Profile:
+    data = dict(data)
+    verify_data = data.pop("verify", None)
     top = _check_table(data, "", path)
     for table in SCHEMA:
         if not table:
@@ -339,6 +402,7 @@ def _from_data(data: dict, path: Path) -> Profile:
         attention_tile=shapes.get("attention_tile", 0), memory_budget_bytes=memory["budget_bytes"],
         npu_prefill_min_tokens=dispatch.get("npu_prefill_min_tokens", 0),
         verify_device=dispatch["verify_device"],
+        verify_by_size=() if verify_data is None else _verify_table(verify_data, path, npu is not None),
     )
 
 
@@ -348,6 +412,8 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, str):
         out = []
         for ch in v:

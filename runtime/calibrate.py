@@ -1,5 +1,6 @@
-"""npu-bench calibrate: measure where the NPU prefill starts to beat the CPU on this machine and
-write that threshold into a user profile (docs/profiles.md: the shipped thresholds are seeds).
+"""npu-bench calibrate: measure where the NPU prefill starts to beat the CPU on this machine, and
+which device verifies each speculative tree size faster, and write both into a user profile
+(docs/profiles.md: the shipped thresholds are seeds; docs/npu-verify.md).
 
     npu-bench calibrate --profile snapdragon-x-elite [--model EXPORT] [--lengths 128,512,2048] [--json]
 
@@ -10,12 +11,20 @@ length; decode tokens/s on the CPU. The threshold is the shortest measured lengt
 NPU is at least as fast as the CPU at every longer length; when the NPU never wins it is set past
 the NPU's K/V capacity (the NPU is then never chosen). Without an NPU it says so and measures the
 CPU side only.
+
+Verify is timed on the CPU at each tree size the export's CPU verify graph has, and on the NPU at
+its static tree size N (one pass serves any tree up to N); each size verifies where it was faster,
+and the costs go into the profile's [verify] table. Off a Snapdragon (onnxruntime-qnn's x86_64 HTP
+backend is an emulator) the NPU figures only exercise the path: the result says so.
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
+
+import platform
+from statistics import median
 
 import numpy as np
 
@@ -29,6 +38,46 @@ def _prefill_rate(engine, ids) -> float:
     t0 = time.perf_counter()
     engine.prefill(ids)
     return len(ids) / (time.perf_counter() - t0)
+
+
+def _verify_us(engine, pipeline: str, size: int, graph_n: int, repeats: int = 3) -> int:
+    """Median microseconds of one tree verify of `size` nodes (a chain under the last prompt token)
+    through `pipeline`, whose graph takes `graph_n` nodes; the state is read, never committed."""
+    from .npu_sessions import NPU_DEVICE
+    from .speculative import Tree, tree_feed
+
+    state = engine.state
+    if engine.pipelines[pipeline].device == NPU_DEVICE and state.capacity != engine.profile.attention_capacity:
+        state.resize(engine.profile.attention_capacity)  # the NPU graph reads exactly T_max rows
+    state.ensure_capacity(state.position + graph_n)
+    tree, _ = Tree.from_draft(1, [2 + i % 7 for i in range(size - 1)], list(range(-1, size - 2)), graph_n)
+    feed = tree_feed(engine.config, state, tree)
+    engine.pipelines[pipeline].run(feed)  # the first call pays for allocation and caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.pipelines[pipeline].run(tree_feed(engine.config, state, tree))
+        times.append(time.perf_counter() - t0)
+    return max(1, round(median(times) * 1e6))
+
+
+def verify_costs(engine, prompt: list[int], npu: bool) -> list[tuple]:
+    """((size, device, cpu_us, npu_us), ...) for each tree size of the export: CPU at each size, the
+    NPU (when `npu`) at its static N for every size up to N; each size verifies where it was faster."""
+    graphs = engine.manifest["graphs"]
+    n = graphs["verify"]["n"]
+    sizes = [m for m in graphs.get("cpu_verify", {}).get("sizes") or [n] if 2 <= m <= 512]
+    if npu and engine.state.position + n > engine.profile.attention_capacity:
+        npu = False
+    engine.reset()
+    engine.prefill(prompt)
+    npu_us = _verify_us(engine, "npu_verify", n, n) if npu else 0
+    rows = []
+    for m in sizes:
+        cpu_us = _verify_us(engine, "verify", m, m)
+        device = "npu" if npu_us and npu_us < cpu_us and m <= n else "cpu"
+        rows.append((m, device, cpu_us, npu_us if m <= n else 0))
+    return rows
 
 
 def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps: int = 16, write: bool = True) -> dict:
@@ -47,8 +96,17 @@ def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps:
     cpu.generate([1, 2, 3], decode_steps, stop_at_eos=False)
     result["cpu_decode_tokens_per_s"] = round(cpu.last_stats["decode_tokens_per_s"], 2)
     npu = None
+    has_verify = "verify" in cpu.manifest["graphs"]
+    prompt = [int(t) for t in rng.integers(0, vocab, 8)]
     if prof.has_npu:
         npu = hybrid_npu.load(model, profile=prof.source, prefill="auto")
+        if has_verify and "npu_verify" not in npu.pipelines and "npu_prefill" in npu.pipelines:
+            from .npu_sessions import open_npu_pipeline
+            from .qnn import NpuUnavailable
+            try:  # the verify graph on the NPU, whatever device the profile verifies on now
+                npu.pipelines["npu_verify"] = open_npu_pipeline(npu.path, npu.manifest, prof, "verify")
+            except NpuUnavailable as e:
+                result["notice"] = f"profile {prof.name}: {e}; verify measured on the CPU only"
         if "npu_prefill" not in npu.pipelines:
             result["notice"] = npu.notice
             npu = None
@@ -71,8 +129,19 @@ def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps:
                 break
             threshold = lengths[i]
         result["npu_prefill_min_tokens"] = threshold
+        over = {"npu_prefill_min_tokens": threshold}
+        if has_verify:
+            rows = verify_costs(npu, prompt, "npu_verify" in npu.pipelines)
+            result["verify"] = [dict(zip(("size", "device", "cpu_us", "npu_us"), r)) for r in rows]
+            over["verify_by_size"] = tuple(rows)
+            if platform.machine().lower() in ("x86_64", "amd64"):
+                result["verify_notice"] = ("NPU verify times come from onnxruntime-qnn's x86_64 HTP emulator: "
+                                           "the path is exercised, its speed is not the NPU's")
         if write:
-            result["written"] = str(write_user_profile(prof, npu_prefill_min_tokens=threshold))
+            result["written"] = str(write_user_profile(prof, **over))
+    elif has_verify:
+        result["verify"] = [dict(zip(("size", "device", "cpu_us", "npu_us"), r))
+                            for r in verify_costs(cpu, prompt, False)]
     return result
 
 
@@ -112,6 +181,11 @@ def main(argv=None) -> int:
             npu_s = "-" if not npu or npu[i] is None else f"{npu[i]:.1f}"
             print(f"prefill {n:>6} tokens: CPU {result['cpu_prefill_tokens_per_s'][i]:.1f} tok/s, NPU {npu_s} tok/s")
         print(f"decode (CPU): {result['cpu_decode_tokens_per_s']:.1f} tok/s")
+        for v in result.get("verify", []):
+            npu_s = f"{v['npu_us']} us" if v["npu_us"] else "-"
+            print(f"verify {v['size']:>4} nodes: CPU {v['cpu_us']} us, NPU {npu_s} -> {v['device']}")
+        if result.get("verify_notice"):
+            print(result["verify_notice"])
         if "npu_prefill_min_tokens" in result:
             print(f"NPU prefill threshold: {result['npu_prefill_min_tokens']} tokens"
                   + (f" (written to {result['written']})" if result.get("written") else ""))

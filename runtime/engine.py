@@ -136,8 +136,9 @@ class Engine:
                             f"export-hybrid SOURCE {self.path} --drafter DRAFTER")
         # CPU sessions holding weights: prefill and decode now (one when they share the any-N graph),
         # verify once speculation runs there
-        cpu_sessions = len(opened) + (self.drafter is not None and "npu_verify" not in self.pipelines)
-        if self.drafter is not None and "npu_verify" not in self.pipelines:
+        cpu_verifies = "npu_verify" not in self.pipelines or self.profile.verify_device_for(2) == "cpu"
+        cpu_sessions = len(opened) + (self.drafter is not None and cpu_verifies)
+        if self.drafter is not None and cpu_verifies:
             # speculation is on by default: its verify session opens while the caller does something
             # else (the first prompt is still being typed), not inside the first round
             self.pipelines.prefetch("verify")
@@ -161,6 +162,11 @@ class Engine:
                                                      verify_graphs=engine.verify_graphs)
         self._verify_graphs: tuple | None = None  # (what verify_graphs read, its answer)
         self._commit_worker: ThreadPoolExecutor | None = None  # opened by commit_worker()
+        # "npu": where rounds verify on the NPU the drafter drafts the next round meanwhile
+        # (runtime/look_ahead.py); "always": on the CPU too; "off" (default until a device measures it)
+        self.look_ahead = "off"
+        self._ahead = None                                       # a kept look-ahead (look_ahead.LookAhead)
+        self._verify_worker: ThreadPoolExecutor | None = None  # the thread an NPU verify runs on
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
@@ -181,7 +187,7 @@ class Engine:
             self.notice = f"profile {self.profile.name}: {e}; running on the CPU"
             print(f"hybrid-npu: {self.notice}", file=sys.stderr)
             return
-        if self.profile.verify_device == "npu" and "verify" in self.manifest["graphs"]:
+        if self.profile.verifies_on_npu and "verify" in self.manifest["graphs"]:
             try:
                 self.pipelines["npu_verify"] = open_npu_pipeline(self.path, self.manifest, self.profile, "verify")
             except NpuUnavailable as e:
@@ -258,16 +264,19 @@ class Engine:
         top_k, then top_k² per further level): exactly that many where the graph takes any count,
         else the smallest of its sizes that holds them; else its static N."""
         graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
-        if self._npu_verify_fits():
-            return NPU_DEVICE, n
         sized = graphs.get("cpu_verify", {})
-        if not sized.get("sizes"):
-            return CPU_DEVICE, n
         k = self.draft_shape["top_k"]
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
-        if sized.get(VERIFY_ANY_COUNT):
-            return CPU_DEVICE, min(real, n)
-        return CPU_DEVICE, next((m for m in sized["sizes"] if m >= real), n)
+        if not sized.get("sizes"):
+            cpu = n
+        elif sized.get(VERIFY_ANY_COUNT):
+            cpu = min(real, n)
+        else:
+            cpu = next((m for m in sized["sizes"] if m >= real), n)
+        # the profile's measured choice for this tree's size (npu-bench calibrate), else its seed device
+        if self._npu_verify_fits() and self.profile.verify_device_for(cpu) == "npu":
+            return NPU_DEVICE, n
+        return CPU_DEVICE, cpu
 
     def _npu_verify_fits(self) -> bool:
         """The NPU's static verify graph serves a round while the context and its N nodes fit T_max."""

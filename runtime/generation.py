@@ -18,6 +18,7 @@ import numpy as np
 
 from hybrid_npu.errors import UserError
 
+from . import look_ahead
 from .npu_sessions import NPU_DEVICE
 from .sampling import Sampler, check_sampling
 from .spec_policy import SpecPolicy
@@ -62,7 +63,9 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
     new = [sampler.choose(logits, engine.state.position)]  # a token's position: the tokens before it
-    engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0}
+    engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0,
+                         "ahead_kept": 0, "ahead_dropped": 0}
+    engine._ahead = None  # a look-ahead never outlives its reply
     steps_s = engine.spec_stats["plain_step_s"] = []  # each plain step's decode and choice
     if engine.drafter is not None and engine._tap_pending is not None:
         engine.drafter_feed.add([new[0]], engine._tap_pending[None])
@@ -107,7 +110,8 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
             r = engine.spec_stats
             engine.last_stats.update(rounds=r["rounds"], plain_steps=r["plain_steps"], draft_s=r["draft_s"],
                                      verify_s=r["verify_s"], verify_device=r.get("verify_device", CPU_DEVICE),
-                                     acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1))
+                                     acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1),
+                                     ahead_kept=r.get("ahead_kept", 0), ahead_dropped=r.get("ahead_dropped", 0))
 
 
 def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> str:
@@ -206,16 +210,30 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     catch_up_drafter(engine, policy)
     t0 = time.perf_counter()
     state = engine.state
-    draft_tokens, draft_parents = engine.drafter.propose(root, **dict(engine.draft_shape, depth=depth),
-                                                         **drafting_with(engine.drafter, sampler, state.position))
+    drafting = drafting_with(engine.drafter, sampler, state.position)
+    on_npu = device == NPU_DEVICE
+    # the drafter runs ahead where the NPU verifies; on the CPU both would share the cores ("always":
+    # there too, to measure and test the structure with the CPU standing in for the NPU)
+    ahead = engine.look_ahead == "always" or (on_npu and engine.look_ahead == "npu")
+    kept = look_ahead.take(engine, state.position, root, depth) if ahead else None
+    if kept:  # the previous round's look-ahead continues exactly here
+        draft_tokens, draft_parents = kept, list(range(-1, len(kept) - 1))
+        engine.spec_stats["ahead_kept"] = engine.spec_stats.get("ahead_kept", 0) + 1
+    else:
+        draft_tokens, draft_parents = engine.drafter.propose(root, **dict(engine.draft_shape, depth=depth), **drafting)
     tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
     t1 = time.perf_counter()
     engine._check_fits(n)
     t_max = engine.profile.attention_capacity
-    on_npu = device == NPU_DEVICE
     if on_npu and state.capacity != t_max:
         state.resize(t_max)  # the NPU graphs read exactly T_max rows; kept for the next rounds
-    out = engine.pipelines["npu_verify" if on_npu else "verify"].run(tree_feed(engine.config, state, tree))
+    run, chain = engine.pipelines["npu_verify" if on_npu else "verify"].run, None
+    if ahead:  # the NPU verifies while the CPU drafts past the round's likeliest end
+        pending = look_ahead.verify_beside(engine, run, tree_feed(engine.config, state, tree))
+        chain = look_ahead.draft_ahead(engine, root, depth + 1 + engine.draft_shape["depth"], drafting)
+        out = pending.result()
+    else:
+        out = run(tree_feed(engine.config, state, tree))
     engine.spec_stats["verify_device"] = device
     if sampler.greedy:
         path, bonus = accept_greedy(out["logits"], tree, n_real)
@@ -228,6 +246,10 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
         emitted = emitted if cut is None else emitted[: cut + 1]
     emitted = emitted[:room]
     path = path[: len(emitted)]  # the root and the drafts before the last emitted token
+    if ahead:  # (a failed look-ahead, chain None, is dropped too)
+        engine._ahead = look_ahead.after_round(state.position, emitted, chain)
+        if engine._ahead is None:
+            engine.spec_stats["ahead_dropped"] = engine.spec_stats.get("ahead_dropped", 0) + 1
     commit_beside(engine.commit_worker(), state, out, tree, path, engine.config.linear_conv_kernel_dim,
                   lambda: engine.drafter.observe(emitted, engine._taps(out, np.array(path))))
     t2 = time.perf_counter()

@@ -87,3 +87,77 @@ def test_a_context_beyond_the_npu_capacity_verifies_on_the_cpu(text_tied, htp_pr
     holds = 1 + min(shape["total_tokens"], shape["top_k"])  # a one-level tree, as many nodes as it has
     assert engine.manifest["graphs"]["cpu_verify"]["any_count"] and sizes[-1] == static
     assert engine.verify_graph(1) == ("CPU", holds) and holds < static
+
+
+LONG = 72  # >= 64 new tokens
+
+
+class WrongAhead(OracleDrafter):
+    """Right drafts in the rounds; every look-ahead (a chain deeper than any round's) wrong, or failing."""
+
+    def __init__(self, *args, fail=False, **kw):
+        super().__init__(*args, **kw)
+        self.fail = fail
+
+    def propose(self, root, top_k, depth, total_tokens):
+        tokens, parents = super().propose(root, top_k, depth, total_tokens)
+        if depth > self.engine.draft_shape["depth"]:
+            if self.fail:
+                raise RuntimeError("look-ahead failed")
+            tokens = [(t + 1) % 320 for t in tokens]
+        return tokens, parents
+
+
+def drafters(engine, seq):
+    """(drafter, look-aheads kept, look-aheads dropped): always right; partly right; every look-ahead
+    wrong; every look-ahead failing."""
+    return ((OracleDrafter(320, engine, seq, seed=1), True, False),
+            (OracleDrafter(320, engine, seq, wrong_rate=0.3, seed=2), True, True),
+            (WrongAhead(320, engine, seq, seed=3), False, True),
+            (WrongAhead(320, engine, seq, seed=4, fail=True), False, True))
+
+
+def test_the_drafter_running_ahead_of_the_htp_keeps_and_drops_drafts_and_the_output_is_plain(text_tied, htp_profile,
+                                                                                           tmp_path):
+    """Greedy rounds verified on the HTP with the look-ahead give plain decoding's tokens over 72 new
+    tokens (T_max 96: the NPU verifies while the context and its 32-node tree fit, then the CPU), with
+    look-aheads kept, dropped and failed: a dropped or failed one leaves the next round drafting as
+    it would without."""
+    prof = derived_profile(htp_profile, tmp_path, "test-npu-ahead", verify_device='"npu"')
+    engine = hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
+    # plain decoding after the same (NPU) prefill
+    want = engine.generate(PROMPT, LONG, stop_at_eos=False, speculative=False)
+    engine.adaptive, engine.look_ahead = False, "npu"
+    for drafter, kept, dropped in drafters(engine, PROMPT + want):
+        engine.drafter = drafter
+        out = engine.generate(PROMPT, LONG, stop_at_eos=False)
+        stats = engine.last_stats
+        assert out == want, type(drafter).__name__
+        assert (stats["ahead_kept"] > 0) == kept and (stats["ahead_dropped"] > 0) == dropped, stats
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_the_drafter_running_ahead_with_the_cpu_standing_in_for_the_npu_is_plain(text_tied, sampled):
+    """The same structure with the CPU verifying on the verify thread (look_ahead = "always"): greedy
+    and seeded-sampled replies of 72 tokens are plain decoding's, look-aheads kept, dropped and failed.
+    (Seeded rounds verified on the HTP emulator leave plain CPU sampling at fp16 near-ties with or
+    without the look-ahead, so the sampled check runs here.)"""
+    settings = dict(temperature=0.8, top_p=0.95, seed=5) if sampled else {}
+    engine = hybrid_npu.load(text_tied.out)
+    want = engine.generate(PROMPT, LONG, stop_at_eos=False, speculative=False, **settings)
+    engine.adaptive, engine.look_ahead = False, "always"
+    for drafter, kept, dropped in drafters(engine, PROMPT + want):
+        engine.drafter = drafter
+        out = engine.generate(PROMPT, LONG, stop_at_eos=False, **settings)
+        stats = engine.last_stats
+        assert out == want, type(drafter).__name__
+        assert (stats["ahead_kept"] > 0) == kept and (stats["ahead_dropped"] > 0) == dropped, stats
+
+
+def test_no_look_ahead_where_the_cpu_verifies(text_tied):
+    engine = hybrid_npu.load(text_tied.out)
+    want = engine.generate(PROMPT, 24, stop_at_eos=False, speculative=False)
+    engine.drafter = OracleDrafter(320, engine, PROMPT + want, seed=1)
+    engine.adaptive, engine.look_ahead = False, "npu"
+    assert engine.generate(PROMPT, 24, stop_at_eos=False) == want
+    assert engine.last_stats["ahead_kept"] == engine.last_stats["ahead_dropped"] == 0 and engine._verify_worker is None

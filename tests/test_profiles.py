@@ -325,3 +325,56 @@ def test_write_user_profile_can_drop_the_npu(user_dir):
     back = load_profile("no-npu")
     assert not back.has_npu and back.npu_prefill_min_tokens == 0
 
+
+
+# ------------------------------------------------------------------ measured verify costs
+MEASURED = ((4, "cpu", 900, 4000), (16, "cpu", 3000, 4000), (64, "npu", 11000, 4000))
+
+
+def test_measured_verify_costs_round_trip_and_choose_per_size(user_dir):
+    path = write_user_profile(load_profile("snapdragon-x-elite"), verify_by_size=MEASURED)
+    text = path.read_text()
+    assert "[verify]" in text and "sizes = [4, 16, 64]" in text
+    back = load_profile("snapdragon-x-elite")
+    assert back.verify_by_size == MEASURED and back.verifies_on_npu
+    # the smallest measured size that holds the tree; the largest past them all
+    assert [back.verify_device_for(m) for m in (2, 4, 5, 16, 17, 64, 200)] == \
+        ["cpu", "cpu", "cpu", "cpu", "npu", "npu", "npu"]
+
+
+def test_missing_measured_costs_leave_the_seed_device_in_charge(capsys):
+    prof = load_profile("snapdragon-x-elite")
+    assert prof.verify_by_size == () and not prof.verifies_on_npu
+    assert prof.verify_device_for(64) == prof.verify_device == "cpu"
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("table, why", [
+    ({"sizes": [4, 16], "devices": ["cpu"], "cpu_us": [1, 2], "npu_us": [0, 0]}, "equal"),
+    ({"sizes": [4], "devices": ["gpu"], "cpu_us": [1], "npu_us": [1]}, "device"),
+    ({"sizes": [4], "devices": ["npu"], "cpu_us": [1], "npu_us": [0]}, "no measured cost"),
+    ({"sizes": [4], "devices": ["cpu"], "cpu_us": [-5], "npu_us": [0]}, "0..1000000000"),
+    ({"sizes": [4], "devices": ["cpu"], "cpu_us": ["fast"], "npu_us": [0]}, "integers"),
+    ({"sizes": [16, 4], "devices": ["cpu", "cpu"], "cpu_us": [1, 2], "npu_us": [0, 0]}, "rise"),
+    ({"sizes": [4], "devices": ["cpu"], "cpu_us": [1]}, "keys"),
+    ("npu", "not a table"),
+])
+def test_damaged_measured_costs_fall_back_in_one_line(tmp_path, capsys, table, why):
+    data = x_elite_data()
+    data["verify"] = table
+    path = tmp_path / "snapdragon-x-elite.toml"
+    # a top-level scalar is written before the tables, so it stays at the top level
+    path.write_text(dumps(data))
+    prof = load_profile(path)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and why in err and "npu-bench calibrate" in err, err
+    assert prof.verify_by_size == () and prof.verify_device_for(64) == "cpu"
+
+
+def test_measured_npu_choice_needs_an_npu(tmp_path, capsys):
+    data = load_profile("cpu").to_dict()
+    data["verify"] = {"sizes": [4], "devices": ["npu"], "cpu_us": [1], "npu_us": [1]}
+    path = tmp_path / "cpu.toml"
+    path.write_text(dumps(data))
+    assert load_profile(path).verify_by_size == ()
+    assert "no measured cost" in capsys.readouterr().err

@@ -28,13 +28,14 @@ LENGTHS = [0, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 
 
 def fill_context(engine, length: int, rng) -> None:
+    """`length` K/V rows of random values, written through the cache's own conversion."""
     engine.reset()
     state = engine.state
     state.ensure_capacity(length + 64)
     for layer in state.attention.values():
         rows = (layer.key.shape[0], length, layer.key.shape[2])
         layer.write(0, rng.standard_normal(rows, dtype=np.float32), rng.standard_normal(rows, dtype=np.float32))
-    state.position = length
+    state.position, state.tokens = length, [0] * length
     state.tokens = [0] * length
 
 

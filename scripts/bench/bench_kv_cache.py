@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_context import fill_context  # noqa: E402  (random K/V rows through the cache's own conversion)
 from random_checkpoint import make_random_checkpoint  # noqa: E402
 
 SEED = 0
@@ -41,17 +42,6 @@ def export_for(workdir: Path, kv_cache: str) -> Path:
         export(make_random_checkpoint("0.8B", workdir / "qwen35-0.8b-random"), out, chunk=128, force=True,
                weights="int4", kv_cache=kv_cache)
     return out
-
-
-def fill_context(engine, length: int, rng) -> None:
-    """`length` K/V rows of random values (written through the cache's own conversion)."""
-    engine.reset()
-    state = engine.state
-    state.ensure_capacity(length + 64)
-    for layer in state.attention.values():
-        rows = (layer.key.shape[0], length, layer.key.shape[2])
-        layer.write(0, rng.standard_normal(rows, dtype=np.float32), rng.standard_normal(rows, dtype=np.float32))
-    state.position, state.tokens = length, [0] * length
 
 
 def worker(export_dir: Path, args) -> dict:

@@ -12,31 +12,13 @@ import pytest
 
 import hybrid_npu
 from hybrid_npu.runtime.sampling import filtered_probs
-from hybrid_npu.runtime.spec_policy import SpecPolicy
 from hybrid_npu.runtime.speculative import TREE_SHAPE
+from random_policy import RandomPolicy
 
 PROMPT = "<|im_start|>user\nWrite a Python function that does this: Parse a header line.<|im_end|>\n<|im_start|>assistant\n"
 SETTINGS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95}
 NEW = 24
 RUNS = 20
-
-
-class RandomPolicy(SpecPolicy):
-    """Seeded random decisions (plain steps, rounds of any depth, guesses): what a machine's load
-    can make the measured policy decide, in orders no measurement would."""
-
-    def __init__(self, seed, depth):
-        super().__init__(depth)
-        self.rng = np.random.default_rng(seed)
-
-    def _choose(self):
-        return 0 if self.rng.random() < 0.4 else int(self.rng.integers(1, self.max_depth + 1))
-
-    def guesses_due(self, decoded):
-        return decoded > 0 and self.rng.random() < 0.3
-
-    def rounds_can_pay(self):
-        return self.rng.random() < 0.8
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime import generation
 from hybrid_npu.runtime.spec_policy import SpecPolicy
+from random_policy import RandomPolicy as Random
 
 MS = 1e-3
 
@@ -574,25 +575,6 @@ def test_switching_between_plain_steps_and_rounds_keeps_the_output_and_the_draft
     assert engine.drafter.length == switched[0]
     ref = engine.drafter.key[:, : switched[0]]
     assert np.abs(switched[1] - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())  # verify vs decode taps
-
-
-class Random(SpecPolicy):
-    """Seeded random decisions: plain steps, rounds of any depth, guess catch-ups and "no round could
-    pay" verdicts mixed in orders no measured policy would pick (the run that made one mismatch in
-    ~1,600 benchmark replies was never reproduced: this covers the mixes deterministically)."""
-
-    def __init__(self, seed, depth):
-        super().__init__(depth)
-        self.rng = np.random.default_rng(seed)
-
-    def _choose(self):
-        return 0 if self.rng.random() < 0.4 else int(self.rng.integers(1, self.max_depth + 1))
-
-    def guesses_due(self, decoded):
-        return decoded > 0 and self.rng.random() < 0.3
-
-    def rounds_can_pay(self):
-        return self.rng.random() < 0.8
 
 
 def test_random_mixes_of_plain_steps_rounds_and_guesses_across_a_kv_block_keep_the_output(eagle3_export):

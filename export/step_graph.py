@@ -35,7 +35,8 @@ import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import KV_CACHES, MASK_DIM, PAST_DIM
-from hybrid_npu.kernels.attention import MASKED, VALUE_ROWS_MAX_N, emit_gqa_attention, emit_tiled_gqa_attention
+from hybrid_npu.kernels.attention import (MASKED, VALUE_ROWS_MAX_N, emit_few_rows_attention, emit_gqa_attention,
+                                          emit_tiled_gqa_attention, widen_past)
 from hybrid_npu.kernels.conv import chain_state_select
 from hybrid_npu.kernels.delta_rule import SOLVE_BLOCK, emit_solve_eye_blocks
 from hybrid_npu.kernels.graph import GraphBuilder
@@ -437,9 +438,7 @@ class _Builder:
         scales = (g.input(f"past_key_scale.{i}", np.float32, [nkv, 1, PAST]),
                   g.input(f"past_value_scale.{i}", np.float32, [nkv, 1, PAST])) if kv == "int8" else (None, None)
         if not self.ops.tiled_attention and kv != "fp32":  # the whole past widened once a layer
-            past = tuple(g.op("Cast", t, to=onnx.TensorProto.FLOAT) for t in past)
-            if kv == "int8":
-                past = (g.op("Mul", past[0], g.transpose(scales[0], [0, 2, 1])), g.op("Mul", past[1], scales[1]))
+            past, scales = widen_past(g, *past, *scales), (None, None)
         gated, new_k, new_v = self.per_call(
             lambda m: list(self._attention_core(*(self.pad_rows(t, m, 0, 2) for t in (qg, k, v)), *past, a, n=m,
                                                 scales=scales)),
@@ -470,11 +469,15 @@ class _Builder:
         mask = self.attention_rows(n)[2]
         # tiles wherever a call would otherwise hold per-context memory: a chunk's [N, T] scores, or a
         # widened copy of an fp16 / int8 cache; a few rows over an fp32 cache read it in place untiled
-        # (decode: a Loop's tile copies took 3.2x the attention time at 8k, docs/kv-cache.md)
-        few = n is None or n <= VALUE_ROWS_MAX_N
-        if self.ops.tiled_attention and not (few and self.spec.kv_cache == "fp32"):
+        # (decode: a Loop's tile copies took 3.2x the attention time at 8k, docs/kv-cache.md), over an
+        # fp16 / int8 cache widen a bounded past whole (kernels/attention.WIDEN_ROWS)
+        few, widen = n is None or n <= VALUE_ROWS_MAX_N, self.spec.kv_cache != "fp32"
+        if self.ops.tiled_attention and few and widen:
+            attn = emit_few_rows_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
+                                           k_scale=scales[0], v_scale=scales[1])
+        elif self.ops.tiled_attention and not few:
             attn = emit_tiled_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
-                                            widen=self.spec.kv_cache != "fp32", k_scale=scales[0], v_scale=scales[1])
+                                            widen=widen, k_scale=scales[0], v_scale=scales[1])
         else:
             attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", g.reshape(attn, [rows, nh * hd]), g.op("Sigmoid", gate))

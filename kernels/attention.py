@@ -100,6 +100,13 @@ def emit_dynamic_gqa(g: GraphBuilder, q: str, past_k: str, past_v: str, new_k: s
 # are [nH·N, KV_TILE] whatever the context, so no memory grows with it beyond the cache itself.
 KV_TILE = 2048
 
+# A few new rows (decode, small CPU-verify trees) over an fp16 / int8 cache: up to this many past rows
+# the whole past is widened once and read untiled, past it a Loop of tiles this size. An ONNX Slice
+# copies, so every tile costs a copy beside its Cast: at 8k rows, 0.8B's 6 layers, the tiled form took
+# 2.0x the untiled fp32 attention (Slice 13 ms, Cast 8, MatMul 12) where widening the whole past took
+# 1.2x (docs/kv-cache.md). The widened copy is bounded by this constant (0.8B: 64 MiB), not the context.
+WIDEN_ROWS = 16384
+
 
 def tiled_gqa_attention_ref(q, past_k, past_v_t, new_k, new_v, mask, tile: int = KV_TILE, k_scale=None,
                             v_scale=None):
@@ -130,6 +137,35 @@ def tiled_gqa_attention_ref(q, past_k, past_v_t, new_k, new_v, mask, tile: int =
         acc = acc * alpha + e @ past_v_t[:, :, start:end].astype(np.float32).transpose(0, 2, 1)
         m = m_new
     return (acc / l).reshape(nh, n, hd).transpose(1, 0, 2)
+
+
+def widen_past(g: GraphBuilder, past_keys: str, past_values_t: str, k_scale: str | None = None,
+                v_scale: str | None = None) -> tuple[str, str]:
+    """An fp16 / int8 past as fp32 rows (int8 times its row scales [nKV, 1, P]): a copy of the whole past."""
+    k, v = g.op("Cast", past_keys, to=TensorProto.FLOAT), g.op("Cast", past_values_t, to=TensorProto.FLOAT)
+    if k_scale is not None:
+        k, v = g.op("Mul", k, g.transpose(k_scale, [0, 2, 1])), g.op("Mul", v, v_scale)
+    return k, v
+
+
+def emit_few_rows_attention(g: GraphBuilder, q: str, past_keys: str, past_values_t: str, new_keys: str,
+                            new_values: str, mask: str, *, n: int | None, nh: int, nkv: int, hd: int,
+                            widen_rows: int = WIDEN_ROWS, k_scale: str | None = None,
+                            v_scale: str | None = None) -> str:
+    """emit_gqa_attention's result for up to VALUE_ROWS_MAX_N new rows over an fp16 / int8 past: an If
+    on the past's length. Up to `widen_rows` rows, the whole past widened once (widen_past) and read
+    untiled; past it, emit_tiled_gqa_attention with tiles of `widen_rows`. Either way what the call
+    holds beside the cache is at most `widen_rows` widened rows (WIDEN_ROWS: why)."""
+    past = g.op("Shape", past_keys, start=1, end=2)
+    small = g.op("Squeeze", g.op("LessOrEqual", past, g.ints([widen_rows])), g.ints([0]))
+    with g.capture() as whole:
+        out_whole = emit_gqa_attention(g, q, *widen_past(g, past_keys, past_values_t, k_scale, v_scale),
+                                       new_keys, new_values, mask, n=n, nh=nh, nkv=nkv, hd=hd)
+    with g.capture() as tiles:
+        out_tiles = emit_tiled_gqa_attention(g, q, past_keys, past_values_t, new_keys, new_values, mask, n=n, nh=nh,
+                                             nkv=nkv, hd=hd, tile=widen_rows, widen=True, k_scale=k_scale,
+                                             v_scale=v_scale)
+    return g.if_(small, (whole, [out_whole]), (tiles, [out_tiles]))[0]
 
 
 def emit_tiled_gqa_attention(g: GraphBuilder, q: str, past_keys: str, past_values_t: str, new_keys: str,

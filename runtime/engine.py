@@ -38,6 +38,10 @@ from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
 PREFILL_MODES = ("auto", "npu", "cpu")
+# the CPU graphs (any-N chunks and decode, the sized verify) read the past in tiles or widen a
+# bounded part of it, so what a call holds is bounded whatever the context: their sessions keep ORT's arena
+# (runtime/pipeline.cpu_session)
+BOUNDED_SCRATCH = ("cpu", "cpu_verify")
 
 
 class LazyPipelines(dict):
@@ -115,7 +119,7 @@ class Engine:
             file = graphs[graph]["file"]
             if file not in opened:
                 try:
-                    session = cpu_session(self.path / file, self.manifest, threads)
+                    session = cpu_session(self.path / file, self.manifest, threads, arena=graph in BOUNDED_SCRATCH)
                 except Exception as e:  # ORT's own error types: a file it cannot read
                     raise damaged(self.path, file, e) from None
                 check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"], self.kv_cache)

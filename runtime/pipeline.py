@@ -22,8 +22,10 @@ def cpu_graph(graphs: dict, name: str) -> str:
     return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
 
 
-def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.InferenceSession:
-    """A CPU session of one of the export's graphs, set up the way every reader of an export needs."""
+def cpu_session(path, manifest: dict, threads: int | None = None, arena: bool = False) -> ort.InferenceSession:
+    """A CPU session of one of the export's graphs, set up the way every reader of an export needs.
+    arena: keep ONNX Runtime's memory arena, for a graph whose scratch a call holds is bounded
+    whatever the context (the tiled CPU graphs: kernels/attention.py)."""
     opts = session_options(threads)
     # A large float export does not prepack: its weights stay in the memory-mapped weights.bin that
     # every session of the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B
@@ -31,9 +33,11 @@ def cpu_session(path, manifest: dict, threads: int | None = None) -> ort.Inferen
     # way. A small one does (runtime/memory.py prepacks: why, measured). Quantised exports must:
     # MatMulNBits without it dequantises all of B on every call (measured 15x slower); each session
     # then holds its own packed copy. HYBRID_NPU_PREPACK=1 prepacks any export.
-    # No arena: a long prefill's attention scratch (scores over the whole context) goes back to
-    # the system after each call instead of staying reserved as the context grows.
-    opts.enable_cpu_mem_arena = False
+    # No arena where a call's scratch grows with the context (a chunk of the NPU-shaped prefill reads
+    # [C, T] scores): it goes back to the system after each call instead of staying reserved. With a
+    # bounded scratch the arena is kept: without it every large block is a fresh mapping, paged in
+    # again on every call (a decode step over an fp16 cache at 32k: 3.5 against ~10 tok/s fp32).
+    opts.enable_cpu_mem_arena = arena
     if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not prepacks(manifest["weights"]):
         opts.add_session_config_entry("session.disable_prepacking", "1")
     return cpu_inference_session(path, opts)

@@ -74,6 +74,45 @@ def test_tiled_attention_numpy_vs_torch_vs_onnx(cache, n, past, tile):
     np.testing.assert_allclose(o, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["fp16", "int8"])
+@pytest.mark.parametrize("n,past", [(1, 12), (1, 13), (1, 40), (4, 40), (None, 25), (None, 8)])
+def test_few_rows_attention_either_branch_against_torch(cache, n, past):
+    """emit_few_rows_attention with widen_rows 12: a past of up to 12 rows is widened whole, a longer one
+    read in tiles of 12 (the last one partial); both against torch over the rows the cache holds."""
+    r = np.random.default_rng(past)
+    rows, nh, nkv, hd = (3 if n is None else n), 4, 2, 8
+    q = r.standard_normal((rows, nh, hd)).astype(np.float32)
+    new_k, new_v = (r.standard_normal((nkv, rows, hd)).astype(np.float32) for _ in range(2))
+    past_k32, past_v32 = (r.standard_normal((nkv, past, hd)).astype(np.float32) * 3 for _ in range(2))
+    if cache == "int8":
+        (past_k, ks), (past_v, vs) = quantize_rows(past_k32, -1), quantize_rows(past_v32, -1)
+        seen_k, seen_v = past_k * ks, past_v * vs
+        k_scale, v_scale = ks.transpose(0, 2, 1).copy(), vs.transpose(0, 2, 1).copy()
+    else:
+        past_k, past_v = past_k32.astype(np.float16), past_v32.astype(np.float16)
+        seen_k, seen_v = past_k.astype(np.float32), past_v.astype(np.float32)
+    mask = np.zeros((rows, past + rows), np.float32)
+    mask[:, 1:past:3] = attention.MASKED
+    mask[:, past:] = np.where(np.tril(np.ones((rows, rows))) > 0, 0, attention.MASKED)
+    want = torch_attention(q, np.concatenate([seen_k, new_k], 1), np.concatenate([seen_v, new_v], 1), mask, nh, nkv)
+    g = GraphBuilder("few")
+    dtype = np.int8 if cache == "int8" else np.float16
+    dim = "n" if n is None else n
+    qi = g.input("q", np.float32, [dim, nh, hd])
+    pk, pv = g.input("pk", dtype, [nkv, "P", hd]), g.input("pv", dtype, [nkv, hd, "P"])
+    nk, nv = g.input("nk", np.float32, [nkv, dim, hd]), g.input("nv", np.float32, [nkv, dim, hd])
+    mi = g.input("m", np.float32, [dim, "T"])
+    feed = {"q": q, "pk": past_k, "pv": past_v.transpose(0, 2, 1).copy(), "nk": new_k, "nv": new_v, "m": mask}
+    scales = (None, None)
+    if cache == "int8":
+        scales = (g.input("ks", np.float32, [nkv, 1, "P"]), g.input("vs", np.float32, [nkv, 1, "P"]))
+        feed.update(ks=k_scale, vs=v_scale)
+    g.output(attention.emit_few_rows_attention(g, qi, pk, pv, nk, nv, mi, n=n, nh=nh, nkv=nkv, hd=hd, widen_rows=12,
+                                               k_scale=scales[0], v_scale=scales[1]), "o", np.float32, [dim, nh, hd])
+    (o,) = run_graph(g, feed)
+    np.testing.assert_allclose(o, want, atol=1e-5)
+
+
 def test_int8_rows_are_within_half_a_scale():
     x = np.random.default_rng(3).standard_normal((2, 50, 16)).astype(np.float32) * 7
     x[0, 3] = 0.0  # an all-zero row stays zero

@@ -173,6 +173,28 @@ def test_one_shot_json_matches_engine_generate(chat_model, engine, capsys):
     assert_speculation_accounts_for(out["stats"], len(out["token_ids"]))
 
 
+@pytest.mark.npu
+def test_one_shot_with_the_x_elite_profile_verifies_where_its_verify_table_says(chat_model, tmp_path, monkeypatch,
+                                                                               capsys):
+    """npu-chat --profile snapdragon-x-elite on the HTP emulator: as shipped (the CPU seed) its rounds
+    verify on the CPU; once the user's copy holds a [verify] table naming the NPU (what npu-bench
+    calibrate writes where the NPU's tree verify is faster), they verify on the NPU."""
+    pytest.importorskip("onnxruntime_qnn")
+    from hybrid_npu.format import MANIFEST
+    from hybrid_npu.profiles.loader import load_profile, write_user_profile
+
+    monkeypatch.setenv("HYBRID_NPU_PROFILE_DIR", str(tmp_path))
+    shipped = load_profile("snapdragon-x-elite")
+    sizes = json.loads((chat_model / MANIFEST).read_text())["graphs"]["cpu_verify"]["sizes"]
+    args = [str(chat_model), "--profile", "snapdragon-x-elite", "--prompt", "Hello there", "--max-new-tokens", "24",
+            "--ignore-eos", "--json"]
+    for table, device in (((), "CPU"), (tuple((m, "npu", 2000, 1000) for m in sizes), "QNN/HTP")):
+        write_user_profile(shipped, graph_finalization=1, verify_by_size=table)  # mode 1: compiles faster
+        assert main(args) == 0
+        stats = json.loads(capsys.readouterr().out)["stats"]
+        assert stats["verify_device"] == device and stats["rounds"] > 0, stats
+
+
 def test_one_shot_streams_text(chat_model, engine, capsys):
     assert main([str(chat_model), "--prompt", "Hi", "--max-new-tokens", "6", "--no-speculative",
                  "--no-think"]) == 0

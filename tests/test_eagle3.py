@@ -500,3 +500,50 @@ def test_quantised_drafter_is_the_float_drafter_on_its_dequantised_weights(tmp_p
     assert exact.propose(toks[-1], 3, 3, 10) == ref.propose(toks[-1], 3, 3, 10)
     tokens, parents = shipped.propose(toks[-1], 3, 3, 10)
     assert len(tokens) == 10 and all(-1 <= p < i for i, p in enumerate(parents))
+
+
+def _lasting(dr):
+    """What a drafter carries from round to round: its observed rows and the last row's outputs
+    (rows past `length` are a propose's scratch, written again by every propose)."""
+    return (dr.length, dr._last_token, dr.key[:, :dr.length].copy(), dr.value[:, :dr.length].copy(),
+            None if dr._hidden is None else dr._hidden.copy(), None if dr._logits is None else dr._logits.copy())
+
+
+class FailingStep:
+    """The drafter's step session, raising on its `at`-th call: a look-ahead that fails part-way."""
+
+    def __init__(self, session, at):
+        self.session, self.calls, self.at = session, 0, at
+
+    def run(self, *args, **kw):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("the drafter failed mid-draft")
+        return self.session.run(*args, **kw)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_look_ahead_kept_dropped_or_failed_leaves_no_trace(plain, window):
+    """runtime/look_ahead.draft_ahead on the real EAGLE-3 drafter between rounds, as generation runs
+    it while the NPU verifies: deeper than any round (its scratch rows grow the buffers), and failing
+    part-way (None, never raised). Afterwards the drafter's lasting state and its next trees and
+    chains equal those of a drafter that never looked ahead."""
+    from types import SimpleNamespace
+
+    from hybrid_npu.runtime import look_ahead
+
+    w, outs = plain
+    a, b = Eagle3Drafter(outs["eagle3"], window=window), Eagle3Drafter(outs["eagle3"], window=window)
+    taps, toks = taps_and_tokens(14)
+    for lo, hi in ((0, 5), (5, 6), (6, 10), (10, 14)):
+        a.observe(toks[lo:hi], taps[lo:hi])
+        b.observe(toks[lo:hi], taps[lo:hi])
+        chain = look_ahead.draft_ahead(SimpleNamespace(drafter=a), toks[hi - 1], 40, {})
+        assert len(chain) == 40
+        a.step = FailingStep(a.step, at=3)
+        assert look_ahead.draft_ahead(SimpleNamespace(drafter=a), toks[hi - 1], 9, {}) is None
+        a.step = a.step.session
+        for x, y in zip(_lasting(a), _lasting(b)):
+            np.testing.assert_array_equal(x, y)
+        assert a.propose(toks[hi - 1], 4, 5, 30) == b.propose(toks[hi - 1], 4, 5, 30)
+        assert a.propose(toks[hi - 1], 1, 6, 6) == b.propose(toks[hi - 1], 1, 6, 6)

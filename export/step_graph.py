@@ -35,8 +35,8 @@ import onnx
 
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.format import KV_CACHES, MASK_DIM, PAST_DIM
-from hybrid_npu.kernels.attention import (MASKED, VALUE_ROWS_MAX_N, emit_few_rows_attention, emit_gqa_attention,
-                                          emit_tiled_gqa_attention, widen_past)
+from hybrid_npu.kernels.attention import (MASKED, VALUE_ROWS_MAX_N, emit_as_cached, emit_few_rows_attention,
+                                          emit_gqa_attention, emit_tiled_gqa_attention, widen_past)
 from hybrid_npu.kernels.conv import chain_state_select
 from hybrid_npu.kernels.delta_rule import SOLVE_BLOCK, emit_solve_eye_blocks
 from hybrid_npu.kernels.graph import GraphBuilder
@@ -467,19 +467,23 @@ class _Builder:
         rows = -1 if n is None else n
         q, gate, new_k, new_v = self._attention_inputs(qg, k, v, a, n)
         mask = self.attention_rows(n)[2]
+        # the new rows as the cache will hold them (kernels/attention.emit_as_cached: why); the HTP
+        # computes in fp16 whatever the cache, so its graphs take them as they are
+        kv = "fp32" if self.spec.npu else self.spec.kv_cache
+        seen_k, seen_v = emit_as_cached(g, new_k, kv), emit_as_cached(g, new_v, kv)
         # tiles wherever a call would otherwise hold per-context memory: a chunk's [N, T] scores, or a
         # widened copy of an fp16 / int8 cache; a few rows over an fp32 cache read it in place untiled
         # (decode: a Loop's tile copies took 3.2x the attention time at 8k, docs/kv-cache.md), over an
         # fp16 / int8 cache widen a bounded past whole (kernels/attention.WIDEN_ROWS)
         few, widen = n is None or n <= VALUE_ROWS_MAX_N, self.spec.kv_cache != "fp32"
         if self.ops.tiled_attention and few and widen:
-            attn = emit_few_rows_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
+            attn = emit_few_rows_attention(g, q, past_k, past_v, seen_k, seen_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
                                            k_scale=scales[0], v_scale=scales[1])
         elif self.ops.tiled_attention and not few:
-            attn = emit_tiled_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
+            attn = emit_tiled_gqa_attention(g, q, past_k, past_v, seen_k, seen_v, mask, n=n, nh=nh, nkv=nkv, hd=hd,
                                             widen=widen, k_scale=scales[0], v_scale=scales[1])
         else:
-            attn = emit_gqa_attention(g, q, past_k, past_v, new_k, new_v, mask, n=n, nh=nh, nkv=nkv, hd=hd)
+            attn = emit_gqa_attention(g, q, past_k, past_v, seen_k, seen_v, mask, n=n, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", g.reshape(attn, [rows, nh * hd]), g.op("Sigmoid", gate))
         return gated, new_k, new_v
 

@@ -139,6 +139,35 @@ def tiled_gqa_attention_ref(q, past_k, past_v_t, new_k, new_v, mask, tile: int =
     return (acc / l).reshape(nh, n, hd).transpose(1, 0, 2)
 
 
+def as_cached_ref(rows: np.ndarray, kv_cache: str) -> np.ndarray:
+    """fp32 rows [..., hd] as the cache gives them back (runtime/state.py stores them, a later call
+    reads them): fp16-rounded, or int8 with one scale per row (max|row| / 127, runtime/state.quantize_rows)
+    times that scale; fp32 rows unchanged."""
+    rows = np.asarray(rows, np.float32)
+    if kv_cache == "fp16":
+        return rows.astype(np.float16).astype(np.float32)
+    if kv_cache == "int8":
+        peak = np.abs(rows).max(axis=-1, keepdims=True)
+        scale = np.where(peak > 0, peak / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+        return np.clip(np.rint(rows / scale), -127, 127) * scale
+    return rows
+
+
+def emit_as_cached(g: GraphBuilder, rows: str, kv_cache: str) -> str:
+    """as_cached_ref in ONNX. A call's own new rows enter its attention as the cache will hold them, so
+    a row weighs the same in the call that makes it as in every later call that reads it back:
+    a verified tree then scores exactly what plain decoding does (speculation stays lossless over a
+    lossy cache)."""
+    if kv_cache == "fp16":
+        return g.op("Cast", g.op("Cast", rows, to=TensorProto.FLOAT16), to=TensorProto.FLOAT)
+    if kv_cache == "int8":
+        peak = g.op("ReduceMax", g.op("Abs", rows), g.ints([-1]), keepdims=1)
+        scale = g.op("Where", g.op("Greater", peak, g.const(0.0)), g.op("Div", peak, g.const(127.0)), g.const(1.0))
+        q = g.op("Clip", g.op("Round", g.op("Div", rows, scale)), g.const(-127.0), g.const(127.0))
+        return g.op("Mul", q, scale)
+    return rows
+
+
 def widen_past(g: GraphBuilder, past_keys: str, past_values_t: str, k_scale: str | None = None,
                 v_scale: str | None = None) -> tuple[str, str]:
     """An fp16 / int8 past as fp32 rows (int8 times its row scales [nKV, 1, P]): a copy of the whole past."""

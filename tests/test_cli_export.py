@@ -23,8 +23,9 @@ def test_export_hybrid_cli_then_api(tmp_path):
     ref = fixtures.write_release_checkpoint(tmp_path / "hf", seed=9, tie=True, with_mtp=True)
     exe = shutil.which("export-hybrid", path=sysconfig.get_path("scripts"))
     assert exe, "the console script is installed with the package"
-    proc = subprocess.run([exe, tmp_path / "hf", tmp_path / "out", "--chunk", "16"], capture_output=True, text=True,
-                          timeout=300)
+    # the fp32 cache: held to transformers at the fp32 bound (the fp16 default: tests/test_kv_cache.py)
+    proc = subprocess.run([exe, tmp_path / "hf", tmp_path / "out", "--chunk", "16", "--kv-cache", "fp32"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "exported 6 layers" in proc.stdout
     engine = hybrid_npu.load(tmp_path / "out")

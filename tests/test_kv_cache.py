@@ -113,6 +113,31 @@ def test_few_rows_attention_either_branch_against_torch(cache, n, past):
     np.testing.assert_allclose(o, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["fp32", "fp16", "int8"])
+def test_new_rows_enter_attention_as_the_cache_gives_them_back(cache):
+    """kernels/attention.emit_as_cached equals its numpy reference and what the State returns for rows
+    written into a cache of that dtype (runtime/state.py: the rows a later call reads)."""
+    from hybrid_npu.runtime.state import AttentionLayerState
+
+    r = np.random.default_rng(11)
+    nkv, n, hd = 2, 9, 16
+    rows = [r.standard_normal((nkv, n, hd)).astype(np.float32) * s for s in (1.0, 300.0)]
+    rows[0][1, 4] = 0.0  # an all-zero row
+    for x in rows:
+        dtype = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}[cache]
+        layer = AttentionLayerState(np.zeros((nkv, n, hd), dtype), np.zeros((nkv, hd, n), dtype),
+                                    *((np.zeros((nkv, 1, n), np.float32),) * 2 if cache == "int8" else ()))
+        layer.write(0, x, x)
+        keys = layer.key.astype(np.float32) * (layer.key_scale.transpose(0, 2, 1) if cache == "int8" else 1)
+        g = GraphBuilder("as_cached")
+        xi = g.input("x", np.float32, [nkv, n, hd])
+        g.output(attention.emit_as_cached(g, xi, cache), "o", np.float32, [nkv, n, hd])
+        (o,) = run_graph(g, {"x": x})
+        ref = attention.as_cached_ref(x, cache)
+        np.testing.assert_array_equal(o, ref)
+        np.testing.assert_array_equal(ref, keys)
+
+
 def test_int8_rows_are_within_half_a_scale():
     x = np.random.default_rng(3).standard_normal((2, 50, 16)).astype(np.float32) * 7
     x[0, 3] = 0.0  # an all-zero row stays zero

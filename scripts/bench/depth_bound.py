@@ -50,7 +50,7 @@ from bench_cpu import cpu_model  # noqa: E402
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 from hybrid_npu.config import ModelConfig  # noqa: E402
 from hybrid_npu.errors import UserError  # noqa: E402
-from hybrid_npu.format import MANIFEST  # noqa: E402
+from hybrid_npu.format import LEGACY_KV_CACHE, MANIFEST  # noqa: E402
 
 
 def stored_bytes(t: onnx.TensorProto) -> int:
@@ -85,12 +85,13 @@ def step_bytes(export_dir: Path, context: int) -> dict:
     manifest = json.loads((export_dir / MANIFEST).read_text())
     cfg = ModelConfig.from_dict(manifest["config"])
     weights = weight_bytes(export_dir / manifest["graphs"]["decode"]["file"])
-    state = State.fresh(cfg)
+    state = State.fresh(cfg, kv_cache=manifest.get("kv_cache", LEGACY_KV_CACHE))  # the export's cache dtype
     fixed = sum(layer.recurrent.nbytes + layer.conv.nbytes for layer in state.gdn.values())
     kv = {}
     for rows in (0, context):
         state.ensure_capacity(rows + 1)
-        kv[rows] = sum(a.key.nbytes + a.value.nbytes for a in state.attention.values())
+        kv[rows] = sum(a.key.nbytes + a.value.nbytes + sum(x.nbytes for x in (a.key_scale, a.value_scale) if x is not None)
+                       for a in state.attention.values())
     return {"weights_read": weights["read"], "embedding_gathered": weights["gathered"],
             "state_read_and_written": 2 * fixed, "kv_at_0": kv[0], "kv_at_context": kv[context],
             "kv_capacity_rows": state.capacity, "kv_itemsize": next(iter(state.attention.values())).key.itemsize

@@ -37,8 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"],
                    help="stored weight dtype (fp16 halves the files; compute stays fp32)")
     p.add_argument("--kv-cache", default=DEFAULT_KV_CACHE, choices=list(KV_CACHES),
-                   help="the K/V cache's dtype (default fp32; fp16: half the memory per context token, int8: a "
-                        "quarter, CPU only, rows rounded to 8 bits; docs/kv-cache.md)")
+                   help="the K/V cache's dtype (default fp16: half of fp32's memory per context token; fp32: the graphs "
+                        "equal transformers at fp32; int8: a quarter, CPU only, rows rounded to 8 bits; docs/kv-cache.md)")
     p.add_argument("--weights", choices=["float", "int8", "int4"],
                    help="int8/int4: quantise every linear layer (CPU: block-wise MatMulNBits; with an NPU "
                         "--profile also the NPU graphs, see --calibration; default float)")

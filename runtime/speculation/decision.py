@@ -10,17 +10,20 @@ from .estimates import Estimates
 from .settings import Settings
 
 
-def best_depth(est: Estimates, graphs: tuple) -> tuple[int, float]:
+def best_depth(est: Estimates, graphs: tuple, costs: tuple | None = None, rounds: list | None = None
+               ) -> tuple[int, float]:
     """(depth, tokens per second) of the best round by the estimates, each depth verifying on its
-    graph in `graphs`; (0, 0.0) while a cost is unknown."""
-    costs = est.costs()
+    graph in `graphs`; (0, 0.0) while a cost is unknown. costs, rounds: est.costs() and its
+    round_costs, when the caller has them."""
+    costs = est.costs() if costs is None else costs
     if costs is None:
         return 0, 0.0
-    best = (0, 0.0)
-    for d, c in enumerate(est.round_costs(costs, graphs), 1):
+    rounds = est.round_costs(costs, graphs) if rounds is None else rounds
+    best, rates = (0, 0.0), est.rates()
+    for d, c in enumerate(rounds, 1):
         if c is None:
             return 0, 0.0
-        rate = est.expected_tokens(d) / max(c, 1e-12)
+        rate = est.expected_tokens(d, rates) / max(c, 1e-12)
         if rate > best[1]:
             best = (d, rate)
     return best[0], best[1] / costs[2]
@@ -36,13 +39,14 @@ def plan(est: Estimates, cfg: Settings, best: tuple[int, float]) -> int:
     return depth if depth > 0 and rate * est.decode_s > need else 0
 
 
-def rounds_can_pay(est: Estimates, cfg: Settings, graphs: tuple) -> bool:
+def rounds_can_pay(est: Estimates, cfg: Settings, graphs: tuple, costs: tuple | None = None,
+                   rounds: list | None = None) -> bool:
     """Whether the best round would beat plain decoding by the margin to leave it if every draft were
     accepted, by the costs measured here (or the last context's, in decode steps); True while unknown.
-    While it would not, guesses and probes only cost time."""
-    costs = est.costs()
+    While it would not, guesses and probes only cost time. costs, rounds: as best_depth's."""
+    costs = est.costs() if costs is None else costs
     if costs is None and cfg.guessing and est.prior is not None:
-        costs = (*est.prior, None)  # before this context's first plain steps: the last one's, in decode steps
+        costs, rounds = (*est.prior, None), None  # before this context's first plain steps: the last one's
     if costs is None:
         return True
     if costs[2] is None:
@@ -51,7 +55,7 @@ def rounds_can_pay(est: Estimates, cfg: Settings, graphs: tuple) -> bool:
         return True
     else:
         unit = est.decode_s / costs[2]  # the costs' unit in decode steps
-    rounds = est.round_costs(costs, graphs)
+    rounds = est.round_costs(costs, graphs) if rounds is None else rounds
     if None in rounds:
         return True
     best = max((d + 1) / max(c, 1e-12) for d, c in enumerate(rounds, 1))

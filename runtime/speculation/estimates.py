@@ -132,10 +132,14 @@ class Estimates:
         p = self.acceptance() if p is None else p
         return (self.run_successes + p) / (self.run_successes + self.run_failures + 1.0)
 
-    def expected_tokens(self, depth: int) -> float:
-        """A chain of `depth` drafts emits 1 + p (1 + q + ... + q^(depth-1)) tokens, the bonus included."""
+    def rates(self) -> tuple[float, float]:
         p = self.acceptance()
-        q = self.continuation(p)
+        return p, self.continuation(p)
+
+    def expected_tokens(self, depth: int, rates: tuple[float, float] | None = None) -> float:
+        """A chain of `depth` drafts emits 1 + p (1 + q + ... + q^(depth-1)) tokens, the bonus included
+        (rates: (p, q) when the caller has them)."""
+        p, q = self.rates() if rates is None else rates
         return 1.0 + p * (depth if q >= 1.0 else (1.0 - q ** depth) / (1.0 - q))
 
     def costs(self) -> tuple | None:
@@ -153,16 +157,20 @@ class Estimates:
         depth): None where that graph's device has no measured verify. A size costs at most what the
         cheapest measured size at or above it costs (above all of them: the largest's)."""
         measured: dict = {}
-        for key, v in costs[1].items():
-            measured.setdefault(_device(key), []).append((_size(key), v))
+        for key, v in sorted(costs[1].items(), key=lambda kv: -_size(kv[0])):  # largest first
+            sizes = measured.setdefault(_device(key), [])
+            sizes.append((_size(key), min(v, sizes[-1][1]) if sizes else v))  # the cheapest at or above
         rounds = []
         for depth, key in enumerate(graphs, 1):
-            sizes = measured.get(_device(key))
+            sizes, size = measured.get(_device(key)), _size(key)
             if not sizes:
                 rounds.append(None)
                 continue
-            above = [v for size, v in sizes if size >= _size(key)]
-            fixed = min(above) if above else max(sizes, key=lambda sv: sv[0])[1]
+            fixed = sizes[0][1]  # above every measured size: the largest one's
+            for measured_size, cheapest in sizes:
+                if measured_size < size:
+                    break
+                fixed = cheapest
             rounds.append(fixed + depth * costs[0])
         return rounds
 

@@ -85,11 +85,14 @@ class SpecPolicy(Settings):
         depth = schedule.forced(est, measuring)
         if depth is not None:
             return depth
-        best = decision.best_depth(est, graphs)
+        costs = est.costs()  # the round costs, worked out once for the whole decision
+        rounds = None if costs is None else est.round_costs(costs, graphs)
+        best = decision.best_depth(est, graphs, costs, rounds)
         depth = decision.plan(est, self, best)
         if depth:
             return schedule.speculate(est, depth)
-        return schedule.probe(est, best, graphs, self.rounds_can_pay(graphs), measuring)
+        can_pay = decision.rounds_can_pay(est, self, graphs, costs, rounds)
+        return schedule.probe(est, best, costs, rounds, can_pay, measuring)
 
     def plan(self) -> int:
         return decision.plan(self.estimates, self, self.best_depth())

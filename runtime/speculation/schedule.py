@@ -63,7 +63,8 @@ class Schedule:
             return 0
         return depth
 
-    def probe(self, est: Estimates, best: tuple[int, float], graphs: tuple, can_pay: bool, measuring: int) -> int:
+    def probe(self, est: Estimates, best: tuple[int, float], costs: tuple | None, rounds: list | None, can_pay: bool,
+              measuring: int) -> int:
         """Plain decoding wins: a probe's first round (of the best depth) where one is worth it and due
         (probe_every, doubling while probes lose, and within probe_budget), else 0. Worth it: where no
         round could pay, only after max_budget_interval plain steps; where guesses came, only if they
@@ -76,13 +77,13 @@ class Schedule:
             worth = best[1] * est.decode_s >= cfg.guess_near * cfg.margin
         else:
             worth = not cfg.guessing or self.plain_run >= 2 * cfg.guess_every
-        if worth and self.plain_run >= self.probe_interval and self.plain_run >= self.budget_interval(est, best, graphs):
+        if worth and self.plain_run >= self.probe_interval and self.plain_run >= self.budget_interval(est, best, costs, rounds):
             self.probe_interval = min(2 * self.probe_interval, cfg.max_probe_every)
             self.probe_depth = best[0] or measuring
             return self.probe_depth
         return 0
 
-    def budget_interval(self, est: Estimates, best: tuple[int, float], graphs: tuple) -> int:
+    def budget_interval(self, est: Estimates, best: tuple[int, float], costs: tuple | None, rounds: list | None) -> int:
         """Plain steps a probe waits for so that its expected extra time (two rounds of the best depth
         less the tokens they emit at a plain step's cost, and the cold steps into it and out of it)
         stays within probe_budget of the plain decoding between probes."""
@@ -90,9 +91,9 @@ class Schedule:
         if t_dec is None or cfg.probe_budget <= 0:
             return 0
         d = best[0] or cfg.max_depth
-        cost = est.round_cost(d, graphs)
-        if cost is None:
+        if rounds is None or rounds[d - 1] is None:  # (costs, rounds: est.costs() and its round_costs)
             return 0
+        cost = rounds[d - 1] * costs[2]
         extra = 2 * max(cost - est.expected_tokens(d) * t_dec, 0.0)
         extra += est.switch_cost()
         return min(cfg.max_budget_interval, math.ceil(extra / (cfg.probe_budget * t_dec)))

@@ -17,7 +17,7 @@ from .settings import Settings
 
 @dataclass
 class Estimates:
-    cfg: Settings
+    cfg: Settings = field(repr=False, compare=False)
     decode: deque = field(default_factory=deque)       # plain steps in a run of plain steps
     draft_level: deque = field(default_factory=deque)  # a round's drafting per level, in a run of rounds
     fixed: dict = field(default_factory=dict)          # verify key -> a round's costs besides the draft

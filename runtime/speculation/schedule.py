@@ -6,7 +6,7 @@ them (docs/speculation.md). Reads the estimates, never changes them."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 
 from .estimates import Estimates
@@ -15,7 +15,7 @@ from .settings import Settings
 
 @dataclass
 class Schedule:
-    cfg: Settings
+    cfg: Settings = field(repr=False, compare=False)
     plain_run: int = 0          # plain steps since the last round
     spec_run: int = 0           # rounds since the last plain step
     probe_interval: int = 0     # plain steps before the next probe

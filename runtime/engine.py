@@ -32,7 +32,7 @@ from .pipeline import Pipeline, cpu_graph, cpu_session
 from .qnn import NpuUnavailable
 from .generation import CPU_DEVICE, catch_up_drafter, stream
 from .sampling import Sampler, check_sampling, model_defaults
-from .spec_policy import SpecPolicy
+from .speculation import SpecPolicy
 from .speculative import COMMIT_BESIDE_MIN_BYTES, default_draft_shape
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
@@ -159,7 +159,7 @@ class Engine:
         self.reset()
         self.last_stats: dict = {}
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
-        # speculation decides per step whether a round pays (runtime/spec_policy.py); False: every
+        # speculation decides per step whether a round pays (runtime/speculation/); False: every
         # step is a round. make_policy(engine) -> a SpecPolicy (tests inject fixed costs)
         self.adaptive = True
         self.make_policy = lambda engine: SpecPolicy(engine.draft_shape["depth"], verify_nodes=engine.verify_graph,

@@ -1,6 +1,6 @@
 """Generation after the prefill, as a generator of tokens: plain decode steps, or speculative
 rounds (draft a tree, verify it in one pass, commit the accepted path) with plain steps between
-them where the policy (spec_policy.py) says a round does not pay. Engine.generate collects
+them where the policy (speculation/) says a round does not pay. Engine.generate collects
 `stream`; a caller that wants tokens as they come iterates it (as mlx-lm's stream_generate).
 
 The output is the target's whatever the steps are (docs/speculation.md): a plain step emits the
@@ -21,7 +21,7 @@ from hybrid_npu.errors import UserError
 from . import look_ahead
 from .npu_sessions import NPU_DEVICE
 from .sampling import Sampler, check_sampling
-from .spec_policy import SpecPolicy
+from .speculation import SpecPolicy, Step
 from .speculative import Tree, accept_greedy, accept_sampled, commit_beside, tree_feed
 
 CPU_DEVICE = "CPU"
@@ -53,11 +53,9 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
         engine._pending = pending
         raise
     policy = policy_for(engine) if speculative and engine.adaptive else None
-    if policy is not None:
-        policy.note_context(engine.state.position, fresh=not append)
     # the prompt's last pairs, which the first round or guesses read (drafter_feed.py); not while no
     # round could pay here (they wait in the feed until one is tried)
-    if speculative and (policy is None or policy.rounds_can_pay()):
+    if speculative and (policy is None or policy.start(engine.state.position, fresh=not append)):
         catch_up_drafter(engine)
     limit = min(max_new_tokens, engine._room())  # the memory plan bounds decode and speculation too
     t_prefill = time.perf_counter() - t0
@@ -72,20 +70,26 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
         engine._tap_pending = None
     done = lambda: ((stop_at_eos and new[-1] in engine.config.eos_token_ids) or len(new) >= limit  # noqa: E731
                     or (should_stop is not None and should_stop()))
+    guessed = None  # (hits, seconds) of a plain step's guesses, told the policy with the next step
     try:
         yield new[0]
         while not done():
-            depth = (policy.choose() if policy else engine.draft_shape["depth"]) if speculative else 0
+            # at most two calls into the policy a step: what to run, then what it cost
+            step = (policy.step(guessed) if policy else Step(engine.draft_shape["depth"])) if speculative else Step(0)
+            guessed = None
             # near the plan's limit the last tokens decode plainly; so do those while the verify session
             # is still opening (a fresh engine's first reply): waiting for it cost that reply ~3x
-            if depth and round_fits(engine) and engine.pipelines.ready("verify"):
-                emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, depth, policy)
+            if step.depth and round_fits(engine) and engine.pipelines.ready("verify"):
+                emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, step.depth, policy,
+                                            step.guesses)
             elif speculative:
-                emitted = [plain_step(engine, new[-1], sampler, policy)]
-                if policy is not None and policy.guesses_due(engine.drafter_feed.decoded):
+                emitted = [plain_step(engine, new[-1], sampler)]
+                k = policy.after_plain(steps_s[-1] if step.timed else None,
+                                       engine.drafter_feed.decoded) if policy is not None else 0
+                if k:  # the drafter's guesses: acceptance without a round
                     t = time.perf_counter()
-                    catch_up_drafter(engine, policy)  # the drafter's guesses: acceptance without a round
-                    policy.record_guess_cost(time.perf_counter() - t)
+                    hits = catch_up_drafter(engine, k)
+                    guessed = (hits, time.perf_counter() - t)
             else:
                 t = time.perf_counter()
                 emitted = [sampler.choose(engine._step("decode", [new[-1]]), engine.state.position)]
@@ -94,6 +98,8 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
             yield from emitted
     finally:  # (the drafter is shown this reply's plain tokens when it is next needed: drafter_feed.py)
         t_decode = time.perf_counter() - t1
+        if guessed is not None:  # the last step's guesses, had no step come after it
+            policy.took_guesses(*guessed)
         engine._pending = new[-1:]
         engine.last_stats = {
             "prefill_tokens": len(ids), "prefill_tokens_per_s": len(ids) / max(t_prefill, 1e-9),
@@ -146,47 +152,41 @@ def round_fits(engine) -> bool:
     return engine.state.position + engine.manifest["graphs"]["verify"]["n"] <= engine.memory.max_context
 
 
-def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) -> int:
-    """One decode step inside a speculative generation: the drafter is shown it later, in one call
-    before the next round or when the policy's guesses are due (catch_up_drafter), not one call
-    per plain token."""
+def plain_step(engine, token: int, sampler: Sampler) -> int:
+    """One decode step inside a speculative generation, its time appended to plain_step_s: the
+    drafter is shown it later, in one call before the next round or when the policy's guesses are
+    due (catch_up_drafter), not one call per plain token."""
     t0 = time.perf_counter()
     nxt = sampler.choose(engine._step("decode", [token]), engine.state.position)
-    seconds = time.perf_counter() - t0
-    engine.spec_stats["plain_step_s"].append(seconds)
-    if policy is not None and policy.times_plain():
-        policy.record_plain(seconds)
-    elif policy is not None:  # where no round could pay, most plain steps are only counted
-        policy.count_plain()
+    engine.spec_stats["plain_step_s"].append(time.perf_counter() - t0)
     # its taps as the graph returned them (a slice: no index array), joined when the drafter takes them
     engine.drafter_feed.add([nxt], engine._tap_parts(engine._last_out, slice(0, 1)), decoded=True)
     engine.spec_stats["plain_steps"] += 1
     return nxt
 
 
-def catch_up_drafter(engine, policy: SpecPolicy | None = None) -> None:
+def catch_up_drafter(engine, guesses: int = 0) -> list[bool]:
     """Show the drafter, in one call, the pairs it has not observed (engine.drafter_feed: a prompt's,
-    the plain steps'), skipping those it would never read. Given a guessing policy, its first guess
-    before each of the last `guesses_per_catch_up` plain-decoded tokens is scored against the
-    target's token (SpecPolicy.record_guesses); each guess is a row of draft logits, so the older
-    ones are not computed (the evidence decays guess by guess and would keep ~8 of them)."""
+    the plain steps'), skipping those it would never read. Returns whether its first guess before
+    each of the last `guesses` plain-decoded tokens was the target's token (the policy's acceptance
+    evidence, SpecPolicy.record_guesses); each guess is a row of draft logits, so the older ones are
+    not computed (the evidence decays guess by guess and would keep ~8 of them)."""
     feed = engine.drafter_feed
     if not len(feed):
-        return
+        return []
     decoded = feed.decoded
     skipped, tokens, features = feed.take()
     if skipped:
         engine.drafter.skip(skipped)
-    k = min(policy.guesses_per_catch_up, decoded, len(tokens)) if policy is not None and policy.guessing else 0
+    k = min(guesses, decoded, len(tokens))
     if not k:
         engine.drafter.observe(tokens, features)
-        return
+        return []
     n = len(tokens)
     first = engine.drafter.guess() if k == n and not skipped else None  # the guess it held before tokens[0]
     later = engine.drafter.observe(tokens, features, guesses=k if first is not None else k + 1)
     before = ([first] if first is not None else []) + later[:-1]  # the guesses before tokens[-len(before):]
-    if before:
-        policy.record_guesses([g == t for g, t in zip(before, tokens[n - len(before):])])
+    return [g == t for g, t in zip(before, tokens[n - len(before):])]
 
 
 def drafting_with(drafter, sampler: Sampler, root_position: int) -> dict:
@@ -200,14 +200,15 @@ def drafting_with(drafter, sampler: Sampler, root_position: int) -> dict:
 
 
 def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: Sampler, depth: int | None = None,
-                      policy: SpecPolicy | None = None) -> list[int]:
+                      policy: SpecPolicy | None = None, guesses: int = 0) -> list[int]:
     """Draft a tree of `depth` levels (default: the draft shape's) under `root`, verify it in one
     pass, commit the accepted path; returns the tokens it emits (accepted drafts + the target's bonus
-    token), at most `room`. policy: told what the round cost and accepted."""
+    token), at most `room`. policy: told what the round cost and accepted, and the hits of the
+    `guesses` its drafter's catch-up scored."""
     depth = engine.draft_shape["depth"] if depth is None else depth
     device, n = verify = engine.verify_graph(depth)  # the NPU's static graph while it fits T_max
     tc = time.perf_counter()
-    catch_up_drafter(engine, policy)
+    hits = catch_up_drafter(engine, guesses)
     t0 = time.perf_counter()
     state = engine.state
     drafting = drafting_with(engine.drafter, sampler, state.position)
@@ -254,7 +255,7 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
                   lambda: engine.drafter.observe(emitted, engine._taps(out, np.array(path))))
     t2 = time.perf_counter()
     if policy is not None:  # what the target accepted, before any cut (room, end of sequence)
-        policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1, verify)
+        policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1, verify, hits)
     stats = engine.spec_stats
     stats["rounds"] += 1
     stats["accepted"] += len(path) - 1

@@ -3,7 +3,7 @@ catch-ups and "no round could pay" verdicts mixed in orders no measured policy w
 machine's load can make the measured policy decide), so tests cover those mixes deterministically."""
 import numpy as np
 
-from hybrid_npu.runtime.spec_policy import SpecPolicy
+from hybrid_npu.runtime.speculation import SpecPolicy
 
 
 class RandomPolicy(SpecPolicy):

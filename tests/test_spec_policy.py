@@ -1,4 +1,4 @@
-"""The speculation policy (runtime/spec_policy.py): decisions from injected costs, never a clock, and
+"""The speculation policy (runtime/speculation/): decisions from injected costs, never a clock, and
 the engine's output stays the target's whatever it decides."""
 import time
 
@@ -10,7 +10,7 @@ import drafter_fixtures
 import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime import generation
-from hybrid_npu.runtime.spec_policy import SpecPolicy
+from hybrid_npu.runtime.speculation import SpecPolicy
 from random_policy import RandomPolicy as Random
 
 MS = 1e-3
@@ -73,7 +73,7 @@ def test_rounds_far_ahead_of_plain_refresh_the_decode_cost_less_often():
     # 1.9x plain), where the estimate (first drafts all accepted, p = 1; then 4 of 5, q = 0.8) reads 1.47x
     p = SpecPolicy(6, refresh_every=16)
     dec = drive(p, 400, 10 * MS, 1 * MS, 26 * MS, lambda d, k: d - 1 if k >= 2 else d)
-    assert p.best_depth()[1] * p.decode_s < 1.5 < p._round_tokens / p._round_seconds * p.decode_s
+    assert p.best_depth()[1] * p.decode_s < 1.5 < p.estimates.round_tokens / p.estimates.round_seconds * p.decode_s
     assert [n for kind, n in runs(dec)[2:] if kind == "r"][:6] == [2, 4, 8, 16, 32, 64]
 
 
@@ -166,7 +166,7 @@ def test_plain_steps_slowed_by_rounds_do_not_keep_rounds_going():
     steps right after rounds show, not the 10 ms plain decoding costs. The refreshes between rounds
     run long enough to see a steady step, so rounds stop and stay rare (probes)."""
     p = SpecPolicy(6, refresh_every=4, probe_budget=0)
-    dec = drive(p, 160, lambda k: 16 * MS if p._plain_run < 3 else 10 * MS, 1 * MS, 74 * MS, lambda d, k: d)
+    dec = drive(p, 160, lambda k: 16 * MS if p.schedule.plain_run < 3 else 10 * MS, 1 * MS, 74 * MS, lambda d, k: d)
     tail = dec[80:]
     assert sum(1 for d in tail if d) <= 0.1 * len(tail), runs(dec)
 
@@ -208,7 +208,7 @@ def test_where_no_round_could_pay_one_plain_step_in_eight_is_timed():
         assert steps < 1000
     assert 40 + steps >= 200 - 4  # the probe came when the plain run reached the interval, as before
     assert steps // 8 <= timed <= steps // 8 + 2
-    assert list(p._decode)[-1] == 10 * MS  # the timed ones still set decode_s
+    assert list(p.estimates.decode)[-1] == 10 * MS  # the timed ones still set decode_s
     busy = SpecPolicy(6)  # rounds could pay (nothing measured): every plain step is timed
     assert busy.choose() and busy.times_plain()
 
@@ -517,8 +517,8 @@ def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
     # scored) with the first token's pair before them; the last 7 wait for the drafter's next use,
     # here a catch-up asked for (all 7 scored)
     assert [(len(t), g) for t, _, g in pairs] == [(19, 0), (33, k + 1)] and len(scored) == k
-    assert len(policy._guess_cost) == 1 and policy._guess_cost[0] > 0  # the guess call's cost, for its budget
-    generation.catch_up_drafter(engine, policy)
+    assert len(policy.estimates.guess_cost) == 1 and policy.estimates.guess_cost[0] > 0  # the guess call's cost, for its budget
+    policy.record_guesses(generation.catch_up_drafter(engine, policy.guesses_per_catch_up))
     assert [(len(t), g) for t, _, g in pairs][2:] == [(7, 7)] and len(scored) == k + 7
     from hybrid_npu.runtime.eagle3 import Eagle3Drafter
     ref, hits = Eagle3Drafter(eagle3_export / "drafter"), []
@@ -766,11 +766,11 @@ def test_a_replys_first_round_after_a_break_is_not_kept():
     p.record_round(d, d, d * MS, 200 * MS)   # slow: the first round after the break
     assert p.rounds_can_pay() and p.fixed_s == {0: 15 * MS}
     p.record_round(d, d, d * MS, 16 * MS)    # the second of the run is kept
-    assert sorted(p._fixed[0]) == [15 * MS, 16 * MS]
+    assert sorted(p.estimates.fixed[0]) == [15 * MS, 16 * MS]
     p.note_context(90)
     p.record_plain(50 * MS)              # a reply's first plain step: not kept either
     p.record_plain(9 * MS)
-    assert list(p._decode) == [10 * MS, 9 * MS]
+    assert list(p.estimates.decode) == [10 * MS, 9 * MS]
 
 
 def test_guesses_are_read_with_the_runs_the_rounds_showed():

@@ -6,7 +6,7 @@ length runs --context-prompts such contexts (each its own stretch of source and 
 and a row's rate is over all their replies: one 96-token reply is ~0.3 s of decoding here, and a
 ratio of two of them moved ±15-20% from run to run, too much to read "never slower" from.
 
-Modes: "plain"; "adaptive" (the default: runtime/spec_policy.py decides per step whether and how
+Modes: "plain"; "adaptive" (the default: runtime/speculation/ decides per step whether and how
 deep to draft); "always" (a round every step, the draft shape's full depth); "plain_again", plain
 decoding a second time in each repeat: its ratio to "plain" is this run's noise floor (what a mode
 that changed nothing would measure), against which a ratio near 1 is read. Runs of the modes
@@ -220,9 +220,9 @@ def settings(text: str) -> dict:
     from dataclasses import fields
 
     from hybrid_npu.errors import UserError
-    from hybrid_npu.runtime.spec_policy import SpecPolicy
+    from hybrid_npu.runtime.speculation import Settings
 
-    known = {f.name for f in fields(SpecPolicy) if not f.name.startswith("_")}
+    known = {f.name for f in fields(Settings) if not f.name.startswith("_")}
     out = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
@@ -238,7 +238,7 @@ def settings(text: str) -> dict:
 def engine_with(overrides: dict, threads: int, drafter: str | None = None, model=None):
     """An engine (default: the embedded model) whose speculation policies take `overrides`."""
     import hybrid_npu
-    from hybrid_npu.runtime.spec_policy import SpecPolicy
+    from hybrid_npu.runtime.speculation import SpecPolicy
 
     engine = hybrid_npu.load(hybrid_npu.DEFAULT_MODEL if model is None else model, threads=threads, drafter=drafter)
     engine.make_policy = lambda e: SpecPolicy(e.draft_shape["depth"], verify_nodes=e.verify_graph,

@@ -2,7 +2,8 @@
 
 An export records its default drafter in model.json (`drafter`: dir and kind) and every drafter it
 ships in `drafters` ({kind: dir}); a drafter directory's drafter.json says its kind ("eagle3" when
-absent: exports made before MTP). The engine's `drafter=` argument chooses:
+absent: exports made before MTP). Both are read through hybrid_npu.manifest. The engine's
+`drafter=` argument chooses:
   None            the export's default drafter (its `drafter/` in older exports), if any
   "eagle3"/"mtp"  the export's drafter of that kind
   a directory     that exported drafter
@@ -13,33 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_DIR, DRAFTER_MANIFEST, EAGLE3_KIND as EAGLE3, MTP_KIND as MTP
-from hybrid_npu.safe_files import CONFIG_BYTES, read_json
+from hybrid_npu.format import DRAFTER_MANIFEST, EAGLE3_KIND as EAGLE3, MTP_KIND as MTP
+from hybrid_npu.manifest import Manifest, load_drafter_manifest
 
 KINDS = (EAGLE3, MTP)
 
 
-def read_drafter_manifest(d: Path) -> dict:
-    """drafter.json: a bounded regular file holding a JSON object, or one UserError line."""
-    fix = "re-export the drafter with: export-hybrid SOURCE OUT --drafter DRAFTER"
-    m = read_json(Path(d) / DRAFTER_MANIFEST, CONFIG_BYTES, "the drafter manifest", fix)
-    if not isinstance(m, dict):
-        raise UserError(f"{Path(d) / DRAFTER_MANIFEST}: not a drafter manifest (a JSON {type(m).__name__}); {fix}")
-    return m
-
-
-def drafter_kind(d: Path) -> str:
-    return read_drafter_manifest(d).get("kind", EAGLE3)
-
-
-def choose_drafter_dir(export: Path, manifest: dict, choice):
+def choose_drafter_dir(export: Path, manifest: Manifest, choice):
     """The drafter directory `choice` names for this export (None: it has none)."""
-    shipped = dict(manifest.get("drafters") or {})
-    default = manifest.get("drafter") or {}
-    if default.get("dir"):
-        shipped.setdefault(default.get("kind", EAGLE3), default["dir"])
+    shipped = manifest.drafter_dirs
     if choice is None:
-        own = export / default.get("dir", DRAFTER_DIR)
+        own = export / manifest.default_drafter_dir
         return own if (own / DRAFTER_MANIFEST).exists() else None
     if isinstance(choice, str) and choice in KINDS and not Path(choice).is_dir():
         if choice not in shipped:
@@ -52,12 +37,13 @@ def choose_drafter_dir(export: Path, manifest: dict, choice):
 
 def load_drafter(d: Path, threads: int | None = None):
     """Open the exported drafter in directory d by the kind its drafter.json records."""
-    kind = drafter_kind(d)
+    record = load_drafter_manifest(Path(d))  # checked once, or one UserError line
+    kind = record.drafter_kind
     if kind == MTP:
         from .mtp import MtpDrafter
-        return MtpDrafter(d, threads)
+        return MtpDrafter(d, threads, record=record)
     if kind == EAGLE3:
         from .eagle3 import Eagle3Drafter
-        return Eagle3Drafter(d, threads)
+        return Eagle3Drafter(d, threads, record=record)
     raise UserError(f"{d / DRAFTER_MANIFEST}: drafter kind {kind!r} is not one of {', '.join(KINDS)}; "
                     "a newer hybrid-npu exported it")

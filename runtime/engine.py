@@ -18,7 +18,7 @@ import numpy as np
 from hybrid_npu.chat_files import sampling_defaults
 from hybrid_npu.cli_common import check_threads
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_MANIFEST, KV_CACHES, LEGACY_KV_CACHE, MANIFEST, VERIFY_ANY_COUNT, manifest_hash
+from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
@@ -99,37 +99,34 @@ class Engine:
             raise UserError(f"prefill={prefill!r} is not one of {', '.join(PREFILL_MODES)}")
         check_threads(threads, "threads=")
         self.manifest, self.config = read_manifest(self.path)  # one line for a damaged or lying manifest
-        self.chunk = int(self.manifest["chunk"])
-        self.kv_cache = self.manifest.get("kv_cache", LEGACY_KV_CACHE)  # the K/V rows' dtype (runtime/state.py)
-        if self.kv_cache not in KV_CACHES:
-            raise UserError(f"{self.path}: kv_cache {self.kv_cache!r} in {MANIFEST} is not one of "
-                            f"{', '.join(KV_CACHES)}; re-export it with this hybrid-npu (export-hybrid --kv-cache)")
+        self.chunk = self.manifest.chunk
+        self.kv_cache = self.manifest.kv_cache  # the K/V rows' dtype (runtime/state.py)
         self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max
         self.prefill_mode = prefill
         npu = self.profile.name if self.profile.has_npu and prefill != "cpu" else None
-        self._drop_damaged_contexts(integrity.verify(self.path, self.manifest, npu))  # before any text
-        graphs, opened = self.manifest["graphs"], {}
+        self._drop_damaged_contexts(integrity.verify(self.path, self.manifest.integrity, self.manifest.weights, npu))  # before any text
+        graphs, opened = self.manifest.graphs, {}
 
         def open_cpu(name: str) -> Pipeline:  # one session per graph file (cpu_graph: a shared one)
             graph = cpu_graph(graphs, name)
-            file = graphs[graph]["file"]
+            file = graphs[graph].file
             if file not in opened:
                 try:
-                    session = cpu_session(self.path / file, self.manifest, threads)
+                    session = cpu_session(self.path / file, self.manifest.weights, threads)
                 except Exception as e:  # ORT's own error types: a file it cannot read
                     raise damaged(self.path, file, e) from None
-                check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"], self.kv_cache)
+                check_chain_graph(self.path, graph, session, self.config, graphs[graph].n, self.kv_cache)
                 opened[file] = Pipeline([session], CPU_DEVICE)
             return opened[file]
 
-        self.pipelines = LazyPipelines(open_cpu, self.manifest["graphs"], eager=("prefill", "decode"))
+        self.pipelines = LazyPipelines(open_cpu, self.manifest.graphs, eager=("prefill", "decode"))
         self.notice: str | None = None
         if self.profile.has_npu and prefill != "cpu":
             self._open_npu()
         self.tokenizer = self._load_tokenizer()
-        generation = self.manifest.get("generation")  # exports before it was recorded: their own file
+        generation = self.manifest.generation  # exports before it was recorded: their own file
         self.sampling_defaults = model_defaults(sampling_defaults(self.path) if generation is None else generation)
-        verify = self.manifest["graphs"].get("verify")  # exports before speculation have none
+        verify = self.manifest.verify  # exports before speculation have none
         self.drafter = self._open_drafter(drafter, threads) if verify else None  # reset/observe/propose
         if drafter is not None and verify is None:
             raise UserError(f"{self.path} has no tree-verify graph for speculative decoding; re-export it with: "
@@ -145,13 +142,13 @@ class Engine:
         if checkpoints < 0:
             raise UserError(f"checkpoints={checkpoints}: give 0 (none) or more")
         self.checkpoints = Checkpoints(checkpoints)
-        self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
+        self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest.weights, cpu_sessions),
                                   self.kv_cache, memory or self.profile.memory_budget_bytes or None, checkpoints)
         # the shape the export records as measured best for its drafter, else a tree where rounds
         # verify on the NPU and a chain where the CPU does (runtime/speculative.py, why)
-        shape = (self.manifest.get("drafter", {}).get("draft_shape")
-                 or default_draft_shape(npu_verifies="npu_verify" in self.pipelines))
-        self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify["n"] - 1)) if verify else None
+        recorded = self.manifest.drafter.draft_shape if self.manifest.drafter is not None else None
+        shape = recorded.as_dict() if recorded else default_draft_shape(npu_verifies="npu_verify" in self.pipelines)
+        self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify.n - 1)) if verify else None
         self.reset()
         self.last_stats: dict = {}
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
@@ -170,11 +167,11 @@ class Engine:
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
-        entry = self.manifest.get("npu", {}).get(self.profile.name)
+        entry = self.manifest.npu.get(self.profile.name)
         if damaged and entry:
             print(f"hybrid-npu: QNN context binary unusable: {damaged[0]} is missing or differs from what the "
                   "export recorded; compiling from the ONNX graphs", file=sys.stderr)
-            entry["context"] = entry["verify_context"] = entry["tile_context"] = None
+            self.manifest = self.manifest.without_contexts(self.profile.name)
 
     def _open_npu(self) -> None:
         """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max;
@@ -187,7 +184,7 @@ class Engine:
             self.notice = f"profile {self.profile.name}: {e}; running on the CPU"
             print(f"hybrid-npu: {self.notice}", file=sys.stderr)
             return
-        if self.profile.verifies_on_npu and "verify" in self.manifest["graphs"]:
+        if self.profile.verifies_on_npu and self.manifest.verify is not None:
             try:
                 self.pipelines["npu_verify"] = open_npu_pipeline(self.path, self.manifest, self.profile, "verify")
             except NpuUnavailable as e:
@@ -241,7 +238,7 @@ class Engine:
 
     def _step(self, graph: str, ids: list[int]) -> np.ndarray:
         """Advance the state by `ids` through one call of `graph`; returns the last token's logits."""
-        n = self.manifest["graphs"]["decode" if graph == "decode" else "prefill"]["n"]
+        n = (self.manifest.decode if graph == "decode" else self.manifest.prefill).n
         self._check_ids(ids)
         self.state.ensure_capacity(self.state.position + n)
         # the tiled NPU prefill masks each tile itself: no [N, T] mask over the whole context
@@ -263,16 +260,15 @@ class Engine:
         the sized graph, the nodes are the largest tree the draft shape grows at that depth (EAGLE-2:
         top_k, then top_k² per further level): exactly that many where the graph takes any count,
         else the smallest of its sizes that holds them; else its static N."""
-        graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
-        sized = graphs.get("cpu_verify", {})
+        n, sized = self.manifest.verify.n, self.manifest.cpu_verify
         k = self.draft_shape["top_k"]
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
-        if not sized.get("sizes"):
+        if sized is None or not sized.sizes:
             cpu = n
-        elif sized.get(VERIFY_ANY_COUNT):
+        elif sized.any_count:
             cpu = min(real, n)
         else:
-            cpu = next((m for m in sized["sizes"] if m >= real), n)
+            cpu = next((m for m in sized.sizes if m >= real), n)
         # the profile's measured choice for this tree's size (npu-bench calibrate), else its seed device
         if self._npu_verify_fits() and self.profile.verify_device_for(cpu) == "npu":
             return NPU_DEVICE, n
@@ -280,7 +276,7 @@ class Engine:
 
     def _npu_verify_fits(self) -> bool:
         """The NPU's static verify graph serves a round while the context and its N nodes fit T_max."""
-        n = self.manifest["graphs"]["verify"]["n"]
+        n = self.manifest.verify.n
         return "npu_verify" in self.pipelines and self.state.position + n <= self.profile.attention_capacity
 
     def verify_graphs(self, max_depth: int) -> tuple:

@@ -143,7 +143,7 @@ def policy_for(engine) -> SpecPolicy:
 
 def round_fits(engine) -> bool:
     """A speculative round writes a whole tree's rows before it keeps the accepted path."""
-    return engine.state.position + engine.manifest["graphs"]["verify"]["n"] <= engine.memory.max_context
+    return engine.state.position + engine.manifest.verify.n <= engine.memory.max_context
 
 
 def plain_step(engine, token: int, sampler: Sampler, policy: SpecPolicy | None) -> int:

@@ -25,6 +25,7 @@ from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
 
 from .drafter_feed import DrafterFeed, feed_for
 from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext
+from .drafters import Drafter, DrafterCaps
 from .export_check import check_chain_graph, damaged, read_manifest
 from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
@@ -98,6 +99,7 @@ class Engine:
         if prefill not in PREFILL_MODES:
             raise UserError(f"prefill={prefill!r} is not one of {', '.join(PREFILL_MODES)}")
         check_threads(threads, "threads=")
+        self.drafter = None
         self.manifest, self.config = read_manifest(self.path)  # one line for a damaged or lying manifest
         self.chunk = self.manifest.chunk
         self.kv_cache = self.manifest.kv_cache  # the K/V rows' dtype (runtime/state.py)
@@ -164,6 +166,17 @@ class Engine:
         self.look_ahead = "off"
         self._ahead = None                                       # a kept look-ahead (look_ahead.LookAhead)
         self._verify_worker: ThreadPoolExecutor | None = None  # the thread an NPU verify runs on
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The drafter speculation runs with (None: plain decoding). Given one, its capabilities are
+        found once (runtime/drafters.py DrafterCaps); an object that is no Drafter is one line."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self.drafter_caps = DrafterCaps.of(drafter) if drafter is not None else DrafterCaps()
+        self._drafter = drafter
 
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
@@ -232,8 +245,8 @@ class Engine:
         self._pending: list[int] = []
         self._tap_pending: np.ndarray | None = None
         self.checkpoints.clear()
-        self._feed = feed_for(getattr(self, "drafter", None))  # pairs the drafter has not observed yet
-        if getattr(self, "drafter", None) is not None:
+        self._feed = feed_for(self.drafter, self.drafter_caps)  # pairs the drafter has not observed yet
+        if self.drafter is not None:
             self.drafter.reset()
 
     def _step(self, graph: str, ids: list[int]) -> np.ndarray:
@@ -306,7 +319,7 @@ class Engine:
 
     def _tap_parts(self, out: dict[str, np.ndarray], rows) -> tuple:
         """_taps before the concatenation: each tap's rows, in the drafter's order."""
-        order = getattr(self.drafter, "input_order", None) or self.config.tap_layers
+        order = self.drafter_caps.input_order or self.config.tap_layers
         return tuple(out[f"tap.{j}"][rows] for j in order)
 
     @property
@@ -314,7 +327,7 @@ class Engine:
         """The pairs the drafter has not observed yet (runtime/drafter_feed.py); a swapped drafter gets
         a feed of its own (it has seen none of the context: it learns from the next tokens)."""
         if self._feed.owner is not self.drafter:
-            self._feed = feed_for(self.drafter)
+            self._feed = feed_for(self.drafter, self.drafter_caps)
         return self._feed
 
     def _feed_drafter(self, ids: list[int], taps: np.ndarray) -> None:
@@ -414,7 +427,7 @@ class Engine:
             raise ValueError("take_checkpoint: the last reply's final token is not in the state yet")
         if self.drafter is not None:  # a rewind to here continues the drafter from here
             catch_up_drafter(self)
-        length = getattr(self.drafter, "length", None) if self.drafter is not None else None
+        length = self.drafter.length if self.drafter is not None and self.drafter_caps.rewinds else None
         self.checkpoints.add(Checkpoint.take(self.state, self._tap_pending, length))
 
     def resumable(self, prompt_ids: list[int]) -> int:
@@ -439,9 +452,8 @@ class Engine:
         self._tap_pending = checkpoint.tap
         self.drafter_feed.clear()  # pairs after the checkpoint (the one before it was observed)
         if self.drafter is not None:
-            rewind = getattr(self.drafter, "rewind", None)
-            if rewind is not None and checkpoint.drafter_length is not None:
-                rewind(checkpoint.drafter_length)
+            if self.drafter_caps.rewinds and checkpoint.drafter_length is not None:
+                self.drafter.rewind(checkpoint.drafter_length)
             else:  # a drafter that cannot go back starts over and learns from the next tokens
                 self.drafter.reset()
                 self._tap_pending = None

@@ -13,12 +13,13 @@ from pathlib import Path
 
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MASK_DIM, PAST_DIM
+from hybrid_npu.manifest import Contexts
 from hybrid_npu.runtime.for_export import NpuUnavailable, qnn_devices, qnn_version
 
 from .npu_check import compile_on_npu
 
 
-def compile_contexts(root: Path, part_files: list[str], prof, n: int, say) -> dict | None:
+def compile_contexts(root: Path, part_files: list[str], prof, n: int, say) -> Contexts | None:
     """n: the graphs' token count (the prefill chunk or the verify tree size)."""
     try:
         qnn_devices()
@@ -41,5 +42,5 @@ def compile_contexts(root: Path, part_files: list[str], prof, n: int, say) -> di
         seconds += report["compile_s"]
         files.append(str(ctx.relative_to(root)))
         say(f"compiled {ctx.name} ({report['compile_s']} s, peak {report['peak_rss_gb']} GB)")
-    return {"files": files, "qnn_version": qnn_version(), "soc_model": prof.npu.soc_model,
-            "htp_arch": prof.npu.htp_arch, "compile_s": round(seconds, 2)}
+    return Contexts(files=tuple(files), qnn_version=qnn_version(), soc_model=prof.npu.soc_model,
+                    htp_arch=prof.npu.htp_arch, compile_s=round(seconds, 2))

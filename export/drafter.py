@@ -31,8 +31,7 @@ asked for (an observe of 64 positions reads one: the last).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -46,9 +45,10 @@ from hybrid_npu.kernels.attention import emit_dynamic_gqa
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm
 from hybrid_npu.kernels.rope import emit_partial_rope
+from hybrid_npu.manifest import DrafterManifest, DraftVocab, Graph
 
 from .checkpoint import PICKLE_SUFFIXES, read_config_json
-from .manifest import value_infos
+from .value_infos import value_infos
 from .safetensors_io import SafetensorsFile
 from .quantize import QuantSpec, plan_quantized_linear
 from .weights import WeightPlan
@@ -97,17 +97,18 @@ def weight_input(g: GraphBuilder, plan: WeightPlan, stored: str) -> str:
     return stored if e.dtype == np.float32 else g.op("Cast", stored, to=onnx.TensorProto.FLOAT)
 
 
-def write_drafter_files(out: Path, plan: WeightPlan, builders: dict[str, GraphBuilder], weights_file: str) -> dict:
+def write_drafter_files(out: Path, plan: WeightPlan, builders: dict[str, GraphBuilder],
+                        weights_file: str) -> dict[str, Graph]:
     """Write the planned weights and each built graph (checked) into out; returns the manifest's
-    "graphs" entries. Every drafter kind is written this way."""
+    graph records. Every drafter kind is written this way."""
     placements = plan.write(out / weights_file)
     graphs = {}
     for name, gb in builders.items():
         model = gb.model(placements)
         onnx.save_model(model, out / f"{name}.onnx")
         onnx.checker.check_model(str(out / f"{name}.onnx"))
-        graphs[name] = {"file": f"{name}.onnx", "nodes": len(model.graph.node),
-                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+        graphs[name] = Graph(file=f"{name}.onnx", nodes=len(model.graph.node), inputs=tuple(value_infos(model.graph.input)),
+                             outputs=tuple(value_infos(model.graph.output)))
     return graphs
 
 
@@ -451,30 +452,34 @@ def build_drafter_graphs(ck: DrafterCheckpoint, plan: WeightPlan) -> dict[str, G
     return {"drafter_fc": b.fc(), "drafter": b.step()}
 
 
-def write_draft_vocab(out: Path, draft_to_target) -> dict:
+def write_draft_vocab(out: Path, draft_to_target) -> DraftVocab:
     """VOCAB_FILE in `out`: the target id of each draft id; returns the manifest's "vocab" record
     (runtime/eagle3.py read_draft_vocab). EAGLE-3's own vocabulary and a trimmed MTP head's."""
     from safetensors.numpy import save_file
 
     ids = np.ascontiguousarray(draft_to_target, dtype=np.int64)
     save_file({"draft_to_target": ids}, str(out / VOCAB_FILE))
-    return {"file": VOCAB_FILE, "tensor": "draft_to_target", "draft_vocab_size": len(ids)}
+    return DraftVocab(file=VOCAB_FILE, tensor="draft_to_target", draft_vocab_size=len(ids))
 
 
 def export_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32", quant: QuantSpec | None = None) -> dict:
     """Write drafter_fc.onnx, drafter.onnx, drafter_weights.bin, vocab.safetensors and drafter.json
-    into out_dir; returns the manifest (also written as drafter.json). quant: drafter_weight_plan."""
+    into out_dir; returns drafter.json as written. quant: drafter_weight_plan."""
+    return write_drafter(ck, out_dir, dtype, quant).to_json()
+
+
+def write_drafter(ck: DrafterCheckpoint, out_dir, dtype: str = "fp32", quant: QuantSpec | None = None) -> DrafterManifest:
+    """export_drafter, returning the drafter's manifest record."""
     plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     graphs = write_drafter_files(out, plan, build_drafter_graphs(ck, plan), WEIGHTS_FILE)
     c = ck.config
-    manifest = {
-        "format": FORMAT, "source": str(ck.path), "config": {**asdict(c), "tap_layers": list(c.tap_layers)},
-        "taps": {"convention": "residual stream entering target layers", "layers": list(c.tap_layers),
-                 "source": c.tap_source, "input_order": list(ck.target_tap_layers)},
-        "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
-        "vocab": {**write_draft_vocab(out, ck.draft_to_target), "target_vocab_size": c.vocab_size},
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    manifest = DrafterManifest(
+        format=FORMAT, source=str(ck.path), config={**asdict(c), "tap_layers": list(c.tap_layers)},
+        taps={"convention": "residual stream entering target layers", "layers": list(c.tap_layers),
+              "source": c.tap_source, "input_order": list(ck.target_tap_layers)},
+        graphs=graphs, weights=weights_entry(plan, WEIGHTS_FILE, dtype),
+        vocab=replace(write_draft_vocab(out, ck.draft_to_target), target_vocab_size=c.vocab_size))
+    manifest.write(out)
     return manifest

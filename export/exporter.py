@@ -8,7 +8,6 @@ that is not an export).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -21,17 +20,20 @@ from hybrid_npu import chat_files
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
-from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, NPU_GRAPHS, STORAGE_DTYPES as DTYPES,
-                               VERIFY_ANY_COUNT)
+from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, STORAGE_DTYPES as DTYPES)
 
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .context_binaries import compile_contexts
-from .drafter import export_drafter, read_drafter
+from .drafter import read_drafter, write_drafter
 from .draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts, trim_hints
-from .mtp_drafter import export_mtp, read_mtp, trim_head
+from .mtp_drafter import read_mtp, trim_head, write_mtp
 from hybrid_npu import integrity
-from .manifest import FORMAT, MANIFEST, value_infos
+from hybrid_npu.format import FORMAT
+from hybrid_npu.manifest import (Calibration, DrafterManifest, Graph, Manifest, NpuEntry, NpuWeights, Tile, Tokenizer,
+                                 Weights)
+
+from .value_infos import value_infos
 from .out_dir import check_output, finish_partial, make_partial, os_error_line, remove_stale_partials
 from hybrid_npu.kernels.attention_tile import BULK_TILES, emit_attention_tile
 from hybrid_npu.kernels.graph import GraphBuilder
@@ -141,24 +143,25 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
         raise UserError(os_error_line(e, out)) from None
     try:
         manifest = _write_export(ck, tmp, plan, say, calib, final_tap=mck is not None)
-        shipped = {}
+        shipped: dict[str, DrafterManifest] = {}
         if mck is not None:
             say(f"exporting the MTP drafter (mtp.* of {mck.source}, reading the residual after layer "
                 f"{ck.config.num_layers - 1}" + ("" if n_draft is None else
                                                  f"; drafting {n_draft:,} of its {ck.config.vocab_size:,} tokens")
                 + ")")
-            shipped[MTP_KIND] = {"dir": MTP_DIR, **export_mtp(mck, tmp / MTP_DIR, plan.dtype, plan.drafter_quant)}
+            shipped[MTP_KIND] = dataclasses.replace(write_mtp(mck, tmp / MTP_DIR, plan.dtype, plan.drafter_quant),
+                                                    dir=MTP_DIR)
         if dck is not None:
             say(f"exporting the EAGLE-3 drafter ({dck.config.layout} layout, taps entering layers "
                 f"{list(dck.target_tap_layers)})")
-            shipped[EAGLE3_KIND] = {"dir": DRAFTER_DIR, "kind": EAGLE3_KIND, **export_drafter(dck, tmp / DRAFTER_DIR, plan.dtype,
-                                                                                        plan.drafter_quant)}
+            shipped[EAGLE3_KIND] = dataclasses.replace(
+                write_drafter(dck, tmp / DRAFTER_DIR, plan.dtype, plan.drafter_quant), dir=DRAFTER_DIR, kind=EAGLE3_KIND)
         if shipped:  # the default drafter (EAGLE-3 when both), and every drafter by kind
-            manifest["drafter"] = shipped.get(EAGLE3_KIND) or shipped[MTP_KIND]
-            manifest["drafters"] = {kind: entry["dir"] for kind, entry in shipped.items()}
+            manifest = dataclasses.replace(manifest, drafter=shipped.get(EAGLE3_KIND) or shipped[MTP_KIND],
+                                           drafters={kind: entry.dir for kind, entry in shipped.items()})
         say("hashing the written files (integrity)")
-        manifest["integrity"] = integrity.record(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        manifest = dataclasses.replace(manifest, integrity=integrity.record(tmp))
+        manifest.write(tmp)
         if check is not None:
             say("checking parity against the source")
             check(tmp, manifest)
@@ -173,7 +176,7 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return manifest
+    return manifest.to_json()
 
 
 def mtp_draft_ids(ck, options: ExportOptions, n: int):
@@ -238,9 +241,9 @@ def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) ->
 
 
 def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, graphs: dict, npu_specs: dict,
-                        part_suffixes: dict[str, list[str]], quant, calib: tuple[list[int], dict], say) -> dict:
+                        part_suffixes: dict[str, list[str]], quant, calib: tuple[list[int], dict], say) -> NpuWeights:
     """The float NPU parts in float_dir -> their QDQ twins in graphs_dir (export/qdq.py), calibrated
-    per graph (prefill chunks, verify trees); float_dir is removed. Returns the manifest entry."""
+    per graph (prefill chunks, verify trees); float_dir is removed. Returns the manifest record."""
     ids, source = calib
     say(f"calibrating the NPU parts on {source['file']} ({source['tokens']} tokens)")
     for graph, spec in npu_specs.items():
@@ -248,12 +251,13 @@ def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, gra
         qdq = quantize_parts(cfg, [float_dir / f"{nm}.onnx" for nm in names], [graphs_dir / f"{nm}.onnx" for nm in names],
                              ids, spec.n, spec.traits.tree, quant.bits, say, head_bits=quant.head_bits)
         for nm in names:
-            graphs[nm]["nodes"] = len(onnx.load(str(graphs_dir / f"{nm}.onnx"), load_external_data=False).graph.node)
+            graphs[nm] = dataclasses.replace(graphs[nm], nodes=len(onnx.load(str(graphs_dir / f"{nm}.onnx"),
+                                                                             load_external_data=False).graph.node))
     shutil.rmtree(float_dir)
-    return {**qdq, "calibration": source}
+    return NpuWeights(**qdq, calibration=Calibration(**source))
 
 
-def _write_tile_graph(cfg: ModelConfig, graphs_dir: Path, prof, chunk: int) -> dict:
+def _write_tile_graph(cfg: ModelConfig, graphs_dir: Path, prof, chunk: int) -> Tile:
     """The NPU's attention tile (kernels/attention_tile.py) and its bulk form (BULK_TILES tiles a call):
     no weights, so one graph of each serves every layer; never more rows than the model has positions."""
     nkv = cfg.num_key_value_heads
@@ -268,11 +272,12 @@ def _write_tile_graph(cfg: ModelConfig, graphs_dir: Path, prof, chunk: int) -> d
         model = g.model()
         onnx.save_model(model, graphs_dir / f"{name}.onnx")
         entry.update({f"{key}file": f"graphs/{name}.onnx", f"{key}rows": n_rows, f"{key}nodes": len(model.graph.node)})
-    return {**entry, "n": chunk, "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+    return Tile(**entry, n=chunk, inputs=tuple(value_infos(model.graph.input)),
+                outputs=tuple(value_infos(model.graph.output)))
 
 
 def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple[list[int], dict] | None = None,
-                  final_tap: bool = False) -> dict:
+                  final_tap: bool = False) -> Manifest:
     chunk, verify, dtype, prof, quant, npu_quant = (plan.chunk, plan.verify, plan.dtype, plan.profile, plan.quant,
                                                     plan.npu_quant)
     compile_context, max_context, kv_cache = plan.options.compile_context, plan.options.max_context, plan.options.kv_cache
@@ -319,10 +324,10 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
         path = (qdq_dir if aside else graphs_dir) / f"{name}.onnx"
         onnx.save_model(model, path)
         onnx.checker.check_model(str(path))
-        graphs[name] = {"file": f"graphs/{name}.onnx", "n": specs[name].n, "nodes": len(model.graph.node),
-                        **({"sizes": list(specs[name].tree_sizes), VERIFY_ANY_COUNT: True}
-                           if specs[name].tree_sizes else {}),
-                        "inputs": value_infos(model.graph.input), "outputs": value_infos(model.graph.output)}
+        sized = bool(specs[name].tree_sizes)
+        graphs[name] = Graph(file=f"graphs/{name}.onnx", n=specs[name].n, nodes=len(model.graph.node),
+                             sizes=tuple(specs[name].tree_sizes) if sized else None, any_count=True if sized else None,
+                             inputs=tuple(value_infos(model.graph.input)), outputs=tuple(value_infos(model.graph.output)))
         if not aside:
             say(f"wrote {path.name}: {len(model.graph.node)} nodes")
     npu_weights = None
@@ -332,21 +337,23 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
                                           quant, calib, say)
     npu = {}
     if parts:
-        entry = npu[prof.name] = {"attention_capacity": prof.attention_capacity, "chunk": chunk,
-                                  "max_context": max_context, "profile": prof.to_dict(),
-                                  "weights": npu_weights or ({"method": "nbits", **quant.to_manifest()} if quant else
-                                                     {"method": "float"})}
+        built = {}  # graph -> (its parts, their context binaries)
         for graph in npu_graphs:
-            parts_key, context_key = NPU_GRAPHS[graph]  # where the runtime looks them up
-            entries = [{**graphs.pop(f"{graph}.{prof.name}.part{k}"), "layers": [a, b],
-                        **({"after_attention": after, "to_attention": to} if graph == "prefill" else {})}
-                       for k, (a, b, after, to) in enumerate(parts[graph])]
-            entry[parts_key] = entries
-            entry[context_key] = compile_contexts(tmp, [p["file"] for p in entries], prof, specs[graph].n,
-                                                  say) if compile_context else None
-        entry["tile"] = _write_tile_graph(cfg, graphs_dir, prof, chunk)
-        tiles = [entry["tile"][k] for k in ("file", "bulk_file") if k in entry["tile"]]
-        entry["tile_context"] = compile_contexts(tmp, tiles, prof, chunk, say) if compile_context else None
+            entries = tuple(dataclasses.replace(graphs.pop(f"{graph}.{prof.name}.part{k}"), layers=(a, b),
+                                                **({"after_attention": after, "to_attention": to}
+                                                   if graph == "prefill" else {}))
+                            for k, (a, b, after, to) in enumerate(parts[graph]))
+            built[graph] = (entries, compile_contexts(tmp, [p.file for p in entries], prof, specs[graph].n, say)
+                            if compile_context else None)
+        tile = _write_tile_graph(cfg, graphs_dir, prof, chunk)
+        verify_parts, verify_context = built.get("verify", (None, None))
+        npu[prof.name] = NpuEntry(
+            attention_capacity=prof.attention_capacity, chunk=chunk, max_context=max_context, profile=prof.to_dict(),
+            weights=npu_weights or (NpuWeights(method="nbits", **quant.to_manifest()) if quant else
+                                    NpuWeights(method="float")),
+            parts=built["prefill"][0], context=built["prefill"][1], verify_parts=verify_parts,
+            verify_context=verify_context, tile=tile,
+            tile_context=compile_contexts(tmp, tile.files, prof, chunk, say) if compile_context else None)
     tokenizer_files = []
     for f in TOKENIZER_FILES:
         if (ck.path / f).exists():
@@ -354,24 +361,19 @@ def _write_export(ck: Checkpoint, tmp: Path, plan: ExportPlan, say, calib: tuple
             tokenizer_files.append(f)
     chat_template, template_file = chat_files.chat_template(tmp)
     _, stop_sources = chat_files.stop_token_ids(ck.path, ck.raw_config, text_config(ck.raw_config))
-    manifest = {
-        "format": FORMAT,
-        "source": {"path": str(ck.path.resolve()), "model_type": ck.model_type, "fingerprint": ck.fingerprint(),
-                   "dtype": ck.source_dtype, "mtp_tensors": ck.mtp_tensors},
-        "config": cfg.to_dict(),
-        "dtype": dtype,
-        "kv_cache": kv_cache,
-        "chunk": chunk,
-        "graphs": graphs,
-        "npu": npu,
-        "weights": {"file": f"graphs/{WEIGHTS_FILE}", "bytes": (graphs_dir / WEIGHTS_FILE).stat().st_size,
-                    "params": plan.total_params(), **(quant.to_manifest() if quant else {"mode": "float"}),
-                    **({"prepacked_bytes": plan.prepacked_bytes()} if quant else {})},
-        "state": {"layers": state_layout(cfg), "state_bytes": cfg.state_bytes(),
-                  "kv_bytes_per_token": cfg.kv_bytes_per_token(kv_cache), "tap_layers": list(cfg.tap_layers)},
-        "tokenizer": {"files": tokenizer_files, "chat_template": chat_template, "chat_template_file": template_file,
-                      "stop_token_ids": list(cfg.eos_token_ids), "stop_token_sources": stop_sources},
-        "generation": chat_files.sampling_defaults(tmp),  # the chat defaults (generation_config.json)
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    manifest = Manifest(
+        format=FORMAT,
+        source={"path": str(ck.path.resolve()), "model_type": ck.model_type, "fingerprint": ck.fingerprint(),
+                "dtype": ck.source_dtype, "mtp_tensors": ck.mtp_tensors},
+        config=cfg.to_dict(), dtype=dtype, kv_cache=kv_cache, chunk=chunk, graphs=graphs, npu=npu,
+        weights=Weights(file=f"graphs/{WEIGHTS_FILE}", bytes=(graphs_dir / WEIGHTS_FILE).stat().st_size,
+                        params=plan.total_params(), **(quant.to_manifest() if quant else {"mode": "float"}),
+                        prepacked_bytes=plan.prepacked_bytes() if quant else None),
+        state={"layers": state_layout(cfg), "state_bytes": cfg.state_bytes(),
+               "kv_bytes_per_token": cfg.kv_bytes_per_token(kv_cache), "tap_layers": list(cfg.tap_layers)},
+        tokenizer=Tokenizer(files=tuple(tokenizer_files), chat_template=chat_template,
+                            chat_template_file=template_file, stop_token_ids=tuple(cfg.eos_token_ids),
+                            stop_token_sources=stop_sources),
+        generation=chat_files.sampling_defaults(tmp))  # the chat defaults (generation_config.json)
+    manifest.write(tmp)
     return manifest

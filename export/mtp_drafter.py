@@ -22,7 +22,6 @@ what that costs at real size).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,11 +30,12 @@ import numpy as np
 
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_FORMAT, DRAFTER_MANIFEST, MTP_KIND as KIND
+from hybrid_npu.format import DRAFTER_FORMAT, MTP_KIND as KIND
 from hybrid_npu.kernels.attention import emit_dynamic_gqa
 from hybrid_npu.kernels.graph import GraphBuilder
 from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
+from hybrid_npu.manifest import DrafterManifest
 
 from .drafter import (drafter_linear, drafter_step_inputs, drafter_weight_plan, gathered_rows, weight_input,
                       weights_entry, write_draft_vocab, write_drafter_files)
@@ -219,8 +219,13 @@ def trim_head(ck: MtpCheckpoint, draft_ids: np.ndarray) -> MtpCheckpoint:
 
 
 def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> dict:
+    """write_mtp, returning drafter.json as written."""
+    return write_mtp(ck, out_dir, dtype, quant).to_json()
+
+
+def write_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> DrafterManifest:
     """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir, and
-    for a trimmed head (trim_head) vocab.safetensors, its draft-to-target ids; returns the manifest.
+    for a trimmed head (trim_head) vocab.safetensors, its draft-to-target ids; returns the manifest record.
     quant: the target's QuantSpec (export/drafter.py drafter_weight_plan)."""
     plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
@@ -228,13 +233,12 @@ def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> d
     b = _Graphs(ck, plan)
     graphs = write_drafter_files(out, plan, {IN_GRAPH: b.hidden_in(), STEP_GRAPH: b.step()}, WEIGHTS_FILE)
     c = ck.config
-    manifest = {
-        "format": DRAFTER_FORMAT, "kind": KIND, "source": str(ck.source), "config": asdict(c),
-        "taps": {"convention": "residual stream after the last target layer (before the final norm)",
-                 "layers": [c.num_layers], "input_order": [c.num_layers]},
-        "graphs": graphs, "weights": weights_entry(plan, WEIGHTS_FILE, dtype),
-    }
-    if ck.draft_ids is not None:  # the same record as an EAGLE-3 drafter's own vocabulary
-        manifest["vocab"] = write_draft_vocab(out, ck.draft_ids)
-    (out / DRAFTER_MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    manifest = DrafterManifest(
+        format=DRAFTER_FORMAT, kind=KIND, source=str(ck.source), config=asdict(c),
+        taps={"convention": "residual stream after the last target layer (before the final norm)",
+              "layers": [c.num_layers], "input_order": [c.num_layers]},
+        graphs=graphs, weights=weights_entry(plan, WEIGHTS_FILE, dtype),
+        # the same record as an EAGLE-3 drafter's own vocabulary
+        vocab=write_draft_vocab(out, ck.draft_ids) if ck.draft_ids is not None else None)
+    manifest.write(out)
     return manifest

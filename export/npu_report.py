@@ -8,9 +8,9 @@ from typing import Callable
 from hybrid_npu.errors import UserError
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.format import MASK_DIM, PAST_DIM
+from hybrid_npu.manifest import is_export, load_manifest
 from hybrid_npu.runtime.for_export import NpuUnavailable, npu_part_files, with_export_capacity
 
-from .manifest import is_export, read_manifest_json
 from .npu_check import compile_on_npu
 
 
@@ -23,16 +23,16 @@ def check_export(export_dir, profile, progress: Callable[[str], None] | None = N
     prof = load_profile(profile)
     if not prof.has_npu:
         raise UserError(f"profile {prof.name} has no NPU; choose an NPU profile such as snapdragon-x-elite")
-    manifest = read_manifest_json(path)
+    manifest = load_manifest(path)
     prof = with_export_capacity(prof, manifest)
     try:
         files = npu_part_files(path, manifest, prof)
     except NpuUnavailable as e:
         raise UserError(str(e)) from None
-    tile = manifest.get("npu", {}).get(prof.name, {}).get("tile")
-    # the attention tile graphs between the prefill's segments
-    files = files + [tile[k] for k in ("file", "bulk_file") if tile and k in tile]
-    free = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + int(manifest["chunk"])}
+    entry = manifest.npu.get(prof.name)
+    tile = entry.tile if entry is not None else None
+    files = files + (tile.files if tile else [])  # the attention tile graphs between the prefill's segments
+    free = {PAST_DIM: prof.attention_capacity, MASK_DIM: prof.attention_capacity + manifest.chunk}
     reports = []
     for k, f in enumerate(files, 1):
         say(f"compiling {f} for {prof.name} on the HTP, CPU fallback disabled ({k}/{len(files)})")

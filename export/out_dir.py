@@ -30,9 +30,9 @@ from typing import Callable
 import psutil
 
 from hybrid_npu.errors import UserError
+from hybrid_npu.format import MANIFEST
+from hybrid_npu.manifest import is_export, listed_files
 from hybrid_npu.permissions import as_user_would_create
-
-from .manifest import MANIFEST, is_export, read_manifest_json
 
 PARTIAL_MARKER = ".hybrid-npu-partial"
 _MARKER_KIND = "hybrid-npu partial export"
@@ -50,9 +50,7 @@ EXPORT_TOP = (MANIFEST, "tokenizer.json", "tokenizer_config.json", "special_toke
 
 def _listed(out: Path) -> set[str] | None:
     """The files the export in `out` says it wrote (its integrity entry), or None when it cannot say."""
-    m = read_manifest_json(out)
-    files = m.get("integrity", {}).get("files") if isinstance(m, dict) and isinstance(m.get("integrity"), dict) else None
-    return {*files, MANIFEST} if isinstance(files, dict) else None
+    return listed_files(out)
 
 
 def foreign_files(out: Path) -> list[str]:

@@ -22,6 +22,7 @@ import onnx
 from onnx import numpy_helper
 
 from hybrid_npu.config import ModelConfig
+from hybrid_npu.manifest import Manifest
 from hybrid_npu.runtime.for_export import Pipeline, State, chain_feed, commit_chain, cpu_session
 
 from .checkpoint import expected_shapes, read_checkpoint
@@ -124,9 +125,9 @@ def _find_stored(name: str, source: np.ndarray, stored: dict) -> tuple[str, np.n
     return "missing", None
 
 
-def check_weights(export_dir: Path, manifest: dict, report: ParityReport) -> None:
-    ck = read_checkpoint(Path(manifest["source"]["path"]))
-    stored = _stored_weights(export_dir / manifest["graphs"]["decode"]["file"])
+def check_weights(export_dir: Path, manifest: Manifest, report: ParityReport) -> None:
+    ck = read_checkpoint(Path(manifest.source_path))
+    stored = _stored_weights(export_dir / manifest.decode.file)
     for name in _one_per_kind(list(expected_shapes(ck.config))):  # not a tied checkpoint's spare lm_head
         if int(np.prod(ck.shapes[name])) > MAX_REREAD:
             report.too_big += 1
@@ -173,26 +174,25 @@ def _state_diff(a: State, b: State) -> tuple[float, float, float]:
             max(_relative(x, y) for x, y in pairs))
 
 
-def check_graphs(export_dir: Path, manifest: dict, report: ParityReport) -> None:
+def check_graphs(export_dir: Path, manifest: Manifest, report: ParityReport) -> None:
     """The same tokens chunked through prefill and stepped through decode must agree; where the
     export has the any-N CPU graph (what the engine runs on the CPU), also through it both ways."""
-    graphs = manifest["graphs"]
-    _check_pair(export_dir, manifest, report, graphs["prefill"]["file"], graphs["decode"]["file"], "")
-    if "cpu" in graphs and not report.problems:
-        _check_pair(export_dir, manifest, report, graphs["cpu"]["file"], graphs["cpu"]["file"], "cpu graph: ")
+    _check_pair(export_dir, manifest, report, manifest.prefill.file, manifest.decode.file, "")
+    if manifest.cpu is not None and not report.problems:
+        _check_pair(export_dir, manifest, report, manifest.cpu.file, manifest.cpu.file, "cpu graph: ")
 
 
-def _check_pair(export_dir: Path, manifest: dict, report: ParityReport, chunk_file: str, step_file: str,
+def _check_pair(export_dir: Path, manifest: Manifest, report: ParityReport, chunk_file: str, step_file: str,
                 label: str) -> None:
-    cfg = ModelConfig.from_dict(manifest["config"])
-    graphs = manifest["graphs"]
-    k = report.tokens = min(TOKENS, graphs["prefill"]["n"])
+    cfg = manifest.model_config
+    k = report.tokens = min(TOKENS, manifest.prefill.n)
     ids = [(1 + 7919 * i) % cfg.vocab_size for i in range(k)]  # fixed, spread over the vocabulary
-    kv_cache = manifest.get("kv_cache", "fp32")  # the graphs' past K/V dtype
+    kv_cache = manifest.kv_cache  # the graphs' past K/V dtype
     chunked, stepped = State.fresh(cfg, kv_cache=kv_cache), State.fresh(cfg, kv_cache=kv_cache)
-    chunk_pipe = Pipeline([cpu_session(export_dir / chunk_file, manifest)], "CPU")
-    prefill_logits = _advance(chunk_pipe, cfg, chunked, ids, graphs["prefill"]["n"])
-    decode = chunk_pipe if step_file == chunk_file else Pipeline([cpu_session(export_dir / step_file, manifest)], "CPU")
+    chunk_pipe = Pipeline([cpu_session(export_dir / chunk_file, manifest.weights)], "CPU")
+    prefill_logits = _advance(chunk_pipe, cfg, chunked, ids, manifest.prefill.n)
+    decode = chunk_pipe if step_file == chunk_file else \
+        Pipeline([cpu_session(export_dir / step_file, manifest.weights)], "CPU")
     for t in ids:
         decode_logits = _advance(decode, cfg, stepped, [t], 1)
     if not (np.isfinite(prefill_logits).all() and np.isfinite(decode_logits).all()):
@@ -204,7 +204,7 @@ def _check_pair(export_dir: Path, manifest: dict, report: ParityReport, chunk_fi
     # the report keeps the worse of the pairs
     report.logits_diff, report.logits_rel = max(report.logits_diff, logits_diff), max(report.logits_rel, logits_rel)
     report.state_diff, report.state_rel = max(report.state_diff, state_diff), max(report.state_rel, state_rel)
-    if manifest["weights"].get("mode", "float") != "float":
+    if manifest.weights.mode != "float":
         if logits_rel > QUANTISED_REL:
             report.problems.append(f"{label}prefill and decode logits are {logits_rel:.3g} apart (relative L2 "
                                    f"> {QUANTISED_REL})")
@@ -220,9 +220,10 @@ def _check_pair(export_dir: Path, manifest: dict, report: ParityReport, chunk_fi
         report.problems.append(f"{label}prefill and decode leave states {state_diff:.3g} apart (> {state_tol:.3g})")
 
 
-def check_parity(export_dir, manifest: dict) -> ParityReport:
+def check_parity(export_dir, manifest: Manifest | dict) -> ParityReport:
     """Both checks on an export directory (finished or still being written); never raises on a
-    mismatch: the report's `problems` say what disagrees."""
+    mismatch: the report's `problems` say what disagrees. manifest: its record (or model.json as parsed)."""
+    manifest = Manifest.of(manifest, Path(export_dir))
     report = ParityReport()
     check_weights(Path(export_dir), manifest, report)
     check_graphs(Path(export_dir), manifest, report)

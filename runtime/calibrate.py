@@ -64,9 +64,8 @@ def _verify_us(engine, pipeline: str, size: int, graph_n: int, repeats: int = 3)
 def verify_costs(engine, prompt: list[int], npu: bool) -> list[tuple]:
     """((size, device, cpu_us, npu_us), ...) for each tree size of the export: CPU at each size, the
     NPU (when `npu`) at its static N for every size up to N; each size verifies where it was faster."""
-    graphs = engine.manifest["graphs"]
-    n = graphs["verify"]["n"]
-    sizes = [m for m in graphs.get("cpu_verify", {}).get("sizes") or [n] if 2 <= m <= 512]
+    n, sized = engine.manifest.verify.n, engine.manifest.cpu_verify
+    sizes = [m for m in (sized.sizes if sized is not None else None) or [n] if 2 <= m <= 512]
     if npu and engine.state.position + n > engine.profile.attention_capacity:
         npu = False
     engine.reset()
@@ -96,7 +95,7 @@ def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps:
     cpu.generate([1, 2, 3], decode_steps, stop_at_eos=False)
     result["cpu_decode_tokens_per_s"] = round(cpu.last_stats["decode_tokens_per_s"], 2)
     npu = None
-    has_verify = "verify" in cpu.manifest["graphs"]
+    has_verify = cpu.manifest.verify is not None
     prompt = [int(t) for t in rng.integers(0, vocab, 8)]
     if prof.has_npu:
         npu = hybrid_npu.load(model, profile=prof.source, prefill="auto")

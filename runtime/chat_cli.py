@@ -91,8 +91,8 @@ def render_only(a, tools) -> str:
     path = Path(a.model) if a.model else hybrid_npu.default_model()
     if not (path / MANIFEST).is_file():
         raise UserError(f"{path} is not a hybrid-npu export (no model.json); give an export-hybrid output directory")
-    read_manifest(path)  # a bounded, checked read before the template's own
-    template = ChatTemplate.from_export(path)
+    manifest, _ = read_manifest(path)  # checked, config included
+    template = ChatTemplate.from_export(path, manifest)
     if a.think is not None and not template.has_thinking_switch:
         raise UserError("this model's chat template has no thinking switch (enable_thinking); drop --think/--no-think")
     check_tools_section(template, tools)

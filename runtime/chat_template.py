@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hybrid_npu.chat_files import chat_template, read_json
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import MANIFEST
+from hybrid_npu.manifest import Manifest, load_manifest
 
 from .template_sandbox import BoundedEnvironment, StopRequested, TemplateLimit, TemplateLimits
 
@@ -123,15 +123,15 @@ class ChatTemplate:
                             "use a trusted model's chat_template") from None
 
     @classmethod
-    def from_export(cls, path) -> "ChatTemplate":
+    def from_export(cls, path, manifest: Manifest | None = None) -> "ChatTemplate":
         """model.json's copy first (what the exporter chose, by transformers 5's precedence), else
-        the export's own files by that precedence (exports made before the manifest recorded it)."""
+        the export's own files by that precedence (exports made before the manifest recorded it).
+        manifest: the export's, where the caller has loaded it."""
         path = Path(path)
         tok_cfg = read_json(path / "tokenizer_config.json", "tokenizer_config.json") or {}
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        tokenizer = manifest.get("tokenizer") or {}
-        source = tokenizer.get("chat_template")
-        source = source if isinstance(source, str) else chat_template(path)[0]
+        manifest = manifest or load_manifest(path)
+        source = manifest.tokenizer.chat_template if manifest.tokenizer is not None else None
+        source = source if source is not None else chat_template(path)[0]
         if not source:
             raise UserError(f"{path} has no chat template (no chat_template.jinja, and tokenizer_config.json has no "
                             "chat_template); re-export from a checkpoint whose tokenizer has one")

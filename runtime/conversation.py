@@ -142,7 +142,7 @@ class Conversation:
                  enable_thinking: bool | None = None, tools: list[dict] | None = None):
         require_tokenizer(engine)
         self.engine = engine
-        self.template = template or ChatTemplate.from_export(engine.path)
+        self.template = template or ChatTemplate.from_export(engine.path, engine.manifest)
         if enable_thinking is not None and not self.template.has_thinking_switch:
             raise UserError("this model's chat template has no thinking switch (enable_thinking); "
                             "drop --think/--no-think")

@@ -98,7 +98,11 @@ def _rows_in(block) -> int:
     return len(block[0]) if isinstance(block, tuple) else len(block)
 
 
-def feed_for(drafter) -> DrafterFeed:
-    """A feed that skips what `drafter` never reads, when it can skip."""
-    keep = getattr(drafter, "context_rows", None) if callable(getattr(drafter, "skip", None)) else None
+def feed_for(drafter, caps=None) -> DrafterFeed:
+    """A feed that skips what `drafter` never reads, when it can skip (caps: its DrafterCaps, where
+    the engine found them; else asked here)."""
+    from .drafters import Skips
+
+    skips = caps.skips if caps is not None else isinstance(drafter, Skips)
+    keep = drafter.context_rows if drafter is not None and skips else None
     return DrafterFeed(keep, drafter)

@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_FORMAT as FORMAT, DRAFTER_MANIFEST as MANIFEST
+from hybrid_npu.format import DRAFTER_MANIFEST as MANIFEST
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.kernels.rope import rope_rows, rope_tables
+from hybrid_npu.manifest import DrafterManifest, DraftVocab, load_drafter_manifest
 from hybrid_npu.safe_files import inside, read_bytes, regular_size
 
 from .session_options import cpu_inference_session, session_options
@@ -64,15 +65,15 @@ VOCAB_BYTES = 64 << 20  # a draft vocabulary: 8 bytes per id, far below a millio
 FIX = "re-export the drafter with: export-hybrid SOURCE OUT --drafter DRAFTER"
 
 
-def read_draft_vocab(drafter_dir: Path, record: dict) -> np.ndarray:
-    """The target id of each draft id, from a drafter manifest's "vocab" record (EAGLE-3's own
+def read_draft_vocab(drafter_dir: Path, record: DraftVocab) -> np.ndarray:
+    """The target id of each draft id, from a drafter manifest's vocab record (EAGLE-3's own
     vocabulary, a trimmed MTP head's; export/drafter.py write_draft_vocab)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
-    f = inside(Path(drafter_dir), record.get("file"), "draft vocabulary file", FIX)
+    f = inside(Path(drafter_dir), record.file, "draft vocabulary file", FIX)
     try:
-        ids = load(read_bytes(f, VOCAB_BYTES, "the draft vocabulary", FIX))[record["tensor"]]
+        ids = load(read_bytes(f, VOCAB_BYTES, "the draft vocabulary", FIX))[record.tensor]
     except (SafetensorError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{f}: not a draft vocabulary ({str(e)[:120]}); {FIX}") from None
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
@@ -101,23 +102,23 @@ def check_drafter_shapes(path: Path, session, nkv: int, hd: int) -> None:
 class Eagle3Drafter:
     picks = True  # propose takes pick= (generation.drafting_with)
 
-    def __init__(self, drafter_dir, threads: int | None = None, window: int | None = DRAFT_WINDOW):
+    def __init__(self, drafter_dir, threads: int | None = None, window: int | None = DRAFT_WINDOW,
+                 record: DrafterManifest | None = None):
+        """record: its drafter.json, where the caller has read it (runtime/drafters.py)."""
         self.path = Path(drafter_dir)
         self.window = window  # None: every stable row
         mf = self.path / MANIFEST
         if not mf.exists():
             raise UserError(f"{self.path} is not an exported drafter (no {MANIFEST}); export it with export_drafter")
-        from .drafters import read_drafter_manifest
-
-        self.manifest = read_drafter_manifest(self.path)
-        if self.manifest.get("format") != FORMAT:
-            raise UserError(f"{mf}: format {self.manifest.get('format')!r}, expected {FORMAT!r}; re-export the drafter")
-        c = self.manifest["config"]
-        self.nkv, self.hd, self.h = c["num_key_value_heads"], c["head_dim"], c["hidden_size"]
-        self.rotary_dim, self.rope_theta = c["rotary_dim"], c["rope_theta"]
-        self.input_order = tuple(self.manifest["taps"]["input_order"])  # target tap layers, concat order
-        self.tap_width = len(self.input_order) * c["target_hidden_size"]
-        self.draft_to_target = read_draft_vocab(self.path, self.manifest["vocab"])
+        self.manifest = record or load_drafter_manifest(self.path)
+        dims = self.manifest.dims
+        self.nkv, self.hd, self.h = dims.num_key_value_heads, dims.head_dim, dims.hidden_size
+        self.rotary_dim, self.rope_theta = dims.rotary_dim, dims.rope_theta
+        self.input_order = self.manifest.input_order  # target tap layers, concat order
+        self.tap_width = len(self.input_order) * dims.target_hidden_size
+        if self.manifest.vocab is None:
+            raise UserError(f"{mf} has no draft vocabulary; {FIX}")
+        self.draft_to_target = read_draft_vocab(self.path, self.manifest.vocab)
         # A small drafter's calls are too short to split: on 2 cores, the embedded 6.6 MB drafter
         # proposed a depth-6 chain in 7.7 ms on one thread against ~20 ms on two (thread hand-offs).
         weights = sum(f.stat().st_size for f in self.path.glob("*.bin"))

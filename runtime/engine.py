@@ -18,13 +18,14 @@ import numpy as np
 from hybrid_npu.chat_files import sampling_defaults
 from hybrid_npu.cli_common import check_threads
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_MANIFEST, KV_CACHES, LEGACY_KV_CACHE, MANIFEST, VERIFY_ANY_COUNT, manifest_hash
+from hybrid_npu.format import DRAFTER_MANIFEST, MANIFEST, manifest_hash
 from hybrid_npu import integrity
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
 
 from .drafter_feed import DrafterFeed, feed_for
 from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext
+from .drafters import Drafter, DrafterCaps
 from .export_check import check_chain_graph, damaged, read_manifest
 from .memory import plan_memory, resident_weight_bytes
 from .npu_sessions import NPU_DEVICE, open_npu_pipeline, with_export_capacity
@@ -102,38 +103,37 @@ class Engine:
         if prefill not in PREFILL_MODES:
             raise UserError(f"prefill={prefill!r} is not one of {', '.join(PREFILL_MODES)}")
         check_threads(threads, "threads=")
+        self.drafter = None
         self.manifest, self.config = read_manifest(self.path)  # one line for a damaged or lying manifest
-        self.chunk = int(self.manifest["chunk"])
-        self.kv_cache = self.manifest.get("kv_cache", LEGACY_KV_CACHE)  # the K/V rows' dtype (runtime/state.py)
-        if self.kv_cache not in KV_CACHES:
-            raise UserError(f"{self.path}: kv_cache {self.kv_cache!r} in {MANIFEST} is not one of "
-                            f"{', '.join(KV_CACHES)}; re-export it with this hybrid-npu (export-hybrid --kv-cache)")
+        self.chunk = self.manifest.chunk
+        self.kv_cache = self.manifest.kv_cache  # the K/V rows' dtype (runtime/state.py)
         self.profile = with_export_capacity(load_profile(profile), self.manifest)  # the export's T_max
         self.prefill_mode = prefill
         npu = self.profile.name if self.profile.has_npu and prefill != "cpu" else None
-        self._drop_damaged_contexts(integrity.verify(self.path, self.manifest, npu))  # before any text
-        graphs, opened = self.manifest["graphs"], {}
+        self._drop_damaged_contexts(integrity.verify(self.path, self.manifest.integrity, self.manifest.weights, npu))  # before any text
+        graphs, opened = self.manifest.graphs, {}
 
         def open_cpu(name: str) -> Pipeline:  # one session per graph file (cpu_graph: a shared one)
             graph = cpu_graph(graphs, name)
-            file = graphs[graph]["file"]
+            file = graphs[graph].file
             if file not in opened:
                 try:
-                    session = cpu_session(self.path / file, self.manifest, threads, arena=graph in BOUNDED_SCRATCH)
+                    session = cpu_session(self.path / file, self.manifest.weights, threads,
+                                          arena=graph in BOUNDED_SCRATCH)
                 except Exception as e:  # ORT's own error types: a file it cannot read
                     raise damaged(self.path, file, e) from None
-                check_chain_graph(self.path, graph, session, self.config, graphs[graph]["n"], self.kv_cache)
+                check_chain_graph(self.path, graph, session, self.config, graphs[graph].n, self.kv_cache)
                 opened[file] = Pipeline([session], CPU_DEVICE)
             return opened[file]
 
-        self.pipelines = LazyPipelines(open_cpu, self.manifest["graphs"], eager=("prefill", "decode"))
+        self.pipelines = LazyPipelines(open_cpu, self.manifest.graphs, eager=("prefill", "decode"))
         self.notice: str | None = None
         if self.profile.has_npu and prefill != "cpu":
             self._open_npu()
         self.tokenizer = self._load_tokenizer()
-        generation = self.manifest.get("generation")  # exports before it was recorded: their own file
+        generation = self.manifest.generation  # exports before it was recorded: their own file
         self.sampling_defaults = model_defaults(sampling_defaults(self.path) if generation is None else generation)
-        verify = self.manifest["graphs"].get("verify")  # exports before speculation have none
+        verify = self.manifest.verify  # exports before speculation have none
         self.drafter = self._open_drafter(drafter, threads) if verify else None  # reset/observe/propose
         if drafter is not None and verify is None:
             raise UserError(f"{self.path} has no tree-verify graph for speculative decoding; re-export it with: "
@@ -149,13 +149,13 @@ class Engine:
         if checkpoints < 0:
             raise UserError(f"checkpoints={checkpoints}: give 0 (none) or more")
         self.checkpoints = Checkpoints(checkpoints)
-        self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest["weights"], cpu_sessions),
+        self.memory = plan_memory(self.config, resident_weight_bytes(self.manifest.weights, cpu_sessions),
                                   self.kv_cache, memory or self.profile.memory_budget_bytes or None, checkpoints)
         # the shape the export records as measured best for its drafter, else a tree where rounds
         # verify on the NPU and a chain where the CPU does (runtime/speculative.py, why)
-        shape = (self.manifest.get("drafter", {}).get("draft_shape")
-                 or default_draft_shape(npu_verifies="npu_verify" in self.pipelines))
-        self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify["n"] - 1)) if verify else None
+        recorded = self.manifest.drafter.draft_shape if self.manifest.drafter is not None else None
+        shape = recorded.as_dict() if recorded else default_draft_shape(npu_verifies="npu_verify" in self.pipelines)
+        self.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], verify.n - 1)) if verify else None
         self.reset()
         self.last_stats: dict = {}
         self.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
@@ -172,13 +172,24 @@ class Engine:
         self._ahead = None                                       # a kept look-ahead (look_ahead.LookAhead)
         self._verify_worker: ThreadPoolExecutor | None = None  # the thread an NPU verify runs on
 
+    @property
+    def drafter(self) -> Drafter | None:
+        """The drafter speculation runs with (None: plain decoding). Given one, its capabilities are
+        found once (runtime/drafters.py DrafterCaps); an object that is no Drafter is one line."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self.drafter_caps = DrafterCaps.of(drafter) if drafter is not None else DrafterCaps()
+        self._drafter = drafter
+
     def _drop_damaged_contexts(self, damaged: list[str]) -> None:
         """Context binaries (ctx/PROFILE/) that fail their hash are rebuilt from the graphs, like stale ones."""
-        entry = self.manifest.get("npu", {}).get(self.profile.name)
+        entry = self.manifest.npu.get(self.profile.name)
         if damaged and entry:
             print(f"hybrid-npu: QNN context binary unusable: {damaged[0]} is missing or differs from what the "
                   "export recorded; compiling from the ONNX graphs", file=sys.stderr)
-            entry["context"] = entry["verify_context"] = entry["tile_context"] = None
+            self.manifest = self.manifest.without_contexts(self.profile.name)
 
     def _open_npu(self) -> None:
         """The prefill graph (or its parts) on the HTP at static shapes: N = C, past K/V = T_max;
@@ -191,7 +202,7 @@ class Engine:
             self.notice = f"profile {self.profile.name}: {e}; running on the CPU"
             print(f"hybrid-npu: {self.notice}", file=sys.stderr)
             return
-        if self.profile.verifies_on_npu and "verify" in self.manifest["graphs"]:
+        if self.profile.verifies_on_npu and self.manifest.verify is not None:
             try:
                 self.pipelines["npu_verify"] = open_npu_pipeline(self.path, self.manifest, self.profile, "verify")
             except NpuUnavailable as e:
@@ -239,13 +250,13 @@ class Engine:
         self._pending: list[int] = []
         self._tap_pending: np.ndarray | None = None
         self.checkpoints.clear()
-        self._feed = feed_for(getattr(self, "drafter", None))  # pairs the drafter has not observed yet
-        if getattr(self, "drafter", None) is not None:
+        self._feed = feed_for(self.drafter, self.drafter_caps)  # pairs the drafter has not observed yet
+        if self.drafter is not None:
             self.drafter.reset()
 
     def _step(self, graph: str, ids: list[int]) -> np.ndarray:
         """Advance the state by `ids` through one call of `graph`; returns the last token's logits."""
-        n = self.manifest["graphs"]["decode" if graph == "decode" else "prefill"]["n"]
+        n = (self.manifest.decode if graph == "decode" else self.manifest.prefill).n
         self._check_ids(ids)
         self.state.ensure_capacity(self.state.position + n)
         # the tiled NPU prefill masks each tile itself: no [N, T] mask over the whole context
@@ -267,16 +278,15 @@ class Engine:
         the sized graph, the nodes are the largest tree the draft shape grows at that depth (EAGLE-2:
         top_k, then top_k² per further level): exactly that many where the graph takes any count,
         else the smallest of its sizes that holds them; else its static N."""
-        graphs, n = self.manifest["graphs"], self.manifest["graphs"]["verify"]["n"]
-        sized = graphs.get("cpu_verify", {})
+        n, sized = self.manifest.verify.n, self.manifest.cpu_verify
         k = self.draft_shape["top_k"]
         real = 1 + min(self.draft_shape["total_tokens"], k + (depth - 1) * k * k)
-        if not sized.get("sizes"):
+        if sized is None or not sized.sizes:
             cpu = n
-        elif sized.get(VERIFY_ANY_COUNT):
+        elif sized.any_count:
             cpu = min(real, n)
         else:
-            cpu = next((m for m in sized["sizes"] if m >= real), n)
+            cpu = next((m for m in sized.sizes if m >= real), n)
         # the profile's measured choice for this tree's size (npu-bench calibrate), else its seed device
         if self._npu_verify_fits() and self.profile.verify_device_for(cpu) == "npu":
             return NPU_DEVICE, n
@@ -284,7 +294,7 @@ class Engine:
 
     def _npu_verify_fits(self) -> bool:
         """The NPU's static verify graph serves a round while the context and its N nodes fit T_max."""
-        n = self.manifest["graphs"]["verify"]["n"]
+        n = self.manifest.verify.n
         return "npu_verify" in self.pipelines and self.state.position + n <= self.profile.attention_capacity
 
     def verify_graphs(self, max_depth: int) -> tuple:
@@ -314,7 +324,7 @@ class Engine:
 
     def _tap_parts(self, out: dict[str, np.ndarray], rows) -> tuple:
         """_taps before the concatenation: each tap's rows, in the drafter's order."""
-        order = getattr(self.drafter, "input_order", None) or self.config.tap_layers
+        order = self.drafter_caps.input_order or self.config.tap_layers
         return tuple(out[f"tap.{j}"][rows] for j in order)
 
     @property
@@ -322,7 +332,7 @@ class Engine:
         """The pairs the drafter has not observed yet (runtime/drafter_feed.py); a swapped drafter gets
         a feed of its own (it has seen none of the context: it learns from the next tokens)."""
         if self._feed.owner is not self.drafter:
-            self._feed = feed_for(self.drafter)
+            self._feed = feed_for(self.drafter, self.drafter_caps)
         return self._feed
 
     def _feed_drafter(self, ids: list[int], taps: np.ndarray) -> None:
@@ -422,7 +432,7 @@ class Engine:
             raise ValueError("take_checkpoint: the last reply's final token is not in the state yet")
         if self.drafter is not None:  # a rewind to here continues the drafter from here
             catch_up_drafter(self)
-        length = getattr(self.drafter, "length", None) if self.drafter is not None else None
+        length = self.drafter.length if self.drafter is not None and self.drafter_caps.rewinds else None
         self.checkpoints.add(Checkpoint.take(self.state, self._tap_pending, length))
 
     def resumable(self, prompt_ids: list[int]) -> int:
@@ -447,9 +457,8 @@ class Engine:
         self._tap_pending = checkpoint.tap
         self.drafter_feed.clear()  # pairs after the checkpoint (the one before it was observed)
         if self.drafter is not None:
-            rewind = getattr(self.drafter, "rewind", None)
-            if rewind is not None and checkpoint.drafter_length is not None:
-                rewind(checkpoint.drafter_length)
+            if self.drafter_caps.rewinds and checkpoint.drafter_length is not None:
+                self.drafter.rewind(checkpoint.drafter_length)
             else:  # a drafter that cannot go back starts over and learns from the next tokens
                 self.drafter.reset()
                 self._tap_pending = None

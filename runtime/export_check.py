@@ -12,16 +12,15 @@ from pathlib import Path
 
 from hybrid_npu.config import FULL, LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
-from hybrid_npu.format import DRAFTER_DIR, FORMAT, MANIFEST, NPU_GRAPHS
-from hybrid_npu.safe_files import CONFIG_BYTES, inside, read_json, regular_size
+from hybrid_npu.format import MANIFEST
+from hybrid_npu.manifest import Manifest, load_manifest
+from hybrid_npu.safe_files import inside, regular_size
 
 from .state import KV_BLOCK, State
 from .step_inputs import chain_feed
 
-REQUIRED = {"config": dict, "chunk": int, "graphs": dict, "weights": dict}
 _STATE_PREFIXES = ("conv_state.", "recurrent_state.", "past_key.", "past_value.")  # (and past_key_scale. ...)
 _CHAIN_GRAPHS = ("prefill", "decode", "cpu")  # the graphs fed by chain_feed (verify takes a tree)
-MAX_GRAPH_TOKENS = 4096  # a graph's N (chunk, verify nodes): its feeds hold N x (T + N) fp32 masks
 MAX_STATE_BYTES = 1 << 36   # 64 GiB of fixed state: no model this runs comes near it
 
 
@@ -29,18 +28,13 @@ def _reexport(path: Path) -> str:
     return f"re-export it with: export-hybrid SOURCE {path}"
 
 
-def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
-    """model.json and the ModelConfig it describes, or a UserError naming what is wrong."""
+def read_manifest(path: Path) -> tuple[Manifest, ModelConfig]:
+    """model.json (checked by hybrid_npu.manifest) and the ModelConfig it describes, or a UserError
+    naming what is wrong."""
     mf = path / MANIFEST
-    manifest = read_json(mf, CONFIG_BYTES, "the manifest", f"the export is damaged: {_reexport(path)}")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise UserError(f"{mf}: not a {FORMAT} manifest (format {got!r}); {_reexport(path)}")
-    for key, kind in REQUIRED.items():
-        if not isinstance(manifest.get(key), kind):
-            raise UserError(f"{mf} has no valid {key!r} entry; the export is damaged: {_reexport(path)}")
+    manifest = load_manifest(path)
     try:
-        cfg = ModelConfig.from_dict(manifest["config"])
+        cfg = manifest.model_config
         _check_config(cfg)
         cfg.validate()
     except (TypeError, KeyError, ValueError) as e:
@@ -48,54 +42,22 @@ def read_manifest(path: Path) -> tuple[dict, ModelConfig]:
     except UserError as e:
         raise UserError(f"{mf}: {e}; {_reexport(path)}") from None
     fix = f"the export is damaged or was edited: {_reexport(path)}"
-    for name, g in manifest["graphs"].items():
-        if not isinstance(g, dict) or not isinstance(g.get("file"), str) or type(g.get("n")) is not int \
-                or not 1 <= g["n"] <= MAX_GRAPH_TOKENS:
-            raise UserError(f"{mf}: graph entry {name!r} is damaged; {_reexport(path)}")
-        f = inside(path, g["file"], f"graph {name}'s file", fix)
+    for name, g in manifest.graphs.items():
+        f = inside(path, g.file, f"graph {name}'s file", fix)
         if f.exists() or f.is_symlink():  # ONNX Runtime would block on a FIFO (exports without hashes)
             regular_size(f, f"graph {name}'s file", fix)
-    if "file" in manifest["weights"]:
-        inside(path, manifest["weights"].get("file"), "weights file", fix)
-    drafters, default = manifest.get("drafters") or {}, manifest.get("drafter")
-    if not isinstance(drafters, dict) or (default is not None and not isinstance(default, dict)):
-        raise UserError(f"{mf}: its drafter entries are damaged; {_reexport(path)}")
-    for kind, d in [*drafters.items(), *((("default", default.get("dir", DRAFTER_DIR)),) if default else ())]:
-        inside(path, d, f"{kind} drafter directory", fix)
-    for rel in _npu_files(manifest.get("npu"), mf, path):
-        inside(path, rel, "NPU graph or context file", fix)
     fixed = cfg.state_bytes() + cfg.kv_bytes_per_token() * KV_BLOCK  # what State.fresh allocates
     if fixed > MAX_STATE_BYTES:
         raise UserError(f"{mf}: its config asks for {fixed} bytes of state; {fix}")
-    if "prefill" not in manifest["graphs"] or "decode" not in manifest["graphs"]:
-        raise UserError(f"{mf} lists no prefill/decode graphs; {_reexport(path)}")
-    if manifest["chunk"] != manifest["graphs"]["prefill"]["n"]:
-        raise UserError(f"{mf}: chunk {manifest['chunk']} contradicts the prefill graph's "
-                        f"{manifest['graphs']['prefill']['n']} tokens; {_reexport(path)}")
-    for name, want in (("decode", 1), ("cpu", manifest["chunk"])):
-        got = manifest["graphs"].get(name, {"n": want})["n"]
+    prefill = manifest.prefill.n
+    if manifest.chunk != prefill:
+        raise UserError(f"{mf}: chunk {manifest.chunk} contradicts the prefill graph's {prefill} tokens; "
+                        f"{_reexport(path)}")
+    for name, want in (("decode", 1), ("cpu", manifest.chunk)):
+        got = manifest.graphs[name].n if name in manifest.graphs else want
         if got != want:
             raise UserError(f"{mf}: graph {name} takes {got} tokens, it must take {want}; {fix}")
     return manifest, cfg
-
-
-def _npu_files(npu, mf: Path, path: Path) -> list:
-    """Every file model.json's "npu" entry names (each profile's parts and context binaries)."""
-    if npu is None:
-        return []
-    damaged = UserError(f"{mf}: its npu entry is damaged; {_reexport(path)}")
-    if not isinstance(npu, dict):
-        raise damaged
-    files = []
-    for entry in npu.values():
-        if not isinstance(entry, dict):
-            raise damaged
-        for parts_key, context_key in NPU_GRAPHS.values():
-            parts, ctx = entry.get(parts_key) or [], entry.get(context_key) or {}
-            if not isinstance(parts, list) or not all(isinstance(q, dict) for q in parts) or not isinstance(ctx, dict):
-                raise damaged
-            files += [q.get("file") for q in parts] + list(ctx.get("files") or [])
-    return files
 
 
 def _check_config(cfg: ModelConfig) -> None:

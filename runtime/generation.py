@@ -19,6 +19,7 @@ import numpy as np
 from hybrid_npu.errors import UserError
 
 from . import look_ahead
+from .drafters import DrafterCaps
 from .npu_sessions import NPU_DEVICE
 from .sampling import Sampler, check_sampling
 from .speculation import SpecPolicy, Step
@@ -143,13 +144,13 @@ def policy_for(engine) -> SpecPolicy:
     policy = engine._policies.get(key)
     if policy is None:
         policy = engine._policies[key] = engine.make_policy(engine)
-    policy.guessing = callable(getattr(engine.drafter, "guess", None))  # the drafter may be swapped
+    policy.guessing = engine.drafter_caps.guesses  # the drafter may be swapped
     return policy
 
 
 def round_fits(engine) -> bool:
     """A speculative round writes a whole tree's rows before it keeps the accepted path."""
-    return engine.state.position + engine.manifest["graphs"]["verify"]["n"] <= engine.memory.max_context
+    return engine.state.position + engine.manifest.verify.n <= engine.memory.max_context
 
 
 def plain_step(engine, token: int, sampler: Sampler) -> int:
@@ -189,12 +190,12 @@ def catch_up_drafter(engine, guesses: int = 0) -> list[bool]:
     return [g == t for g, t in zip(before, tokens[n - len(before):])]
 
 
-def drafting_with(drafter, sampler: Sampler, root_position: int) -> dict:
+def drafting_with(caps: DrafterCaps, sampler: Sampler, root_position: int) -> dict:
     """propose's `pick` for a sampled reply: the drafter picks each level's token by the sampler's own
     Gumbel-max noise for that position (Sampler.draft_choice), so its chain agrees with what the
     target will sample as often as the two distributions allow (docs/reproducibility.md). Empty
     for greedy replies and for drafters that take no `pick` (any object with propose)."""
-    if sampler.greedy or not getattr(drafter, "picks", False):
+    if sampler.greedy or not caps.picks:
         return {}
     return {"pick": lambda level, logits, ids: sampler.draft_choice(logits, root_position + level, ids)}
 
@@ -211,7 +212,7 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     hits = catch_up_drafter(engine, guesses)
     t0 = time.perf_counter()
     state = engine.state
-    drafting = drafting_with(engine.drafter, sampler, state.position)
+    drafting = drafting_with(engine.drafter_caps, sampler, state.position)
     on_npu = device == NPU_DEVICE
     # the drafter runs ahead where the NPU verifies; on the CPU both would share the cores ("always":
     # there too, to measure and test the structure with the CPU standing in for the NPU)

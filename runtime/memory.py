@@ -16,6 +16,7 @@ import psutil
 
 from hybrid_npu.cli_common import human_bytes
 from hybrid_npu.config import ModelConfig
+from hybrid_npu.manifest import Weights
 
 MARGIN_BYTES = 1 << 30  # left to the OS, the runtime's own code and activations
 
@@ -64,12 +65,13 @@ class MemoryPlan:
 PREPACK_FLOAT_BELOW_BYTES = 64 << 20
 
 
-def prepacks(weights: dict) -> bool:
-    """Whether CPU sessions of an export with this manifest "weights" record prepack its weights."""
-    return weights.get("mode", "float") != "float" or int(weights["bytes"]) < PREPACK_FLOAT_BELOW_BYTES
+def prepacks(weights: Weights | dict) -> bool:
+    """Whether CPU sessions of an export with this manifest weights record prepack its weights."""
+    weights = Weights.of(weights)
+    return weights.mode != "float" or int(weights.bytes) < PREPACK_FLOAT_BELOW_BYTES
 
 
-def resident_weight_bytes(weights: dict, cpu_sessions: int) -> int:
+def resident_weight_bytes(weights: Weights | dict, cpu_sessions: int) -> int:
     """What the weights hold in RAM with `cpu_sessions` CPU sessions open: weights.bin (mapped once,
     shared), plus for a quantised export one more copy of its MatMulNBits matrices per session
     beyond the first, since ONNX Runtime prepacks them per session (the first session's copy stands
@@ -80,9 +82,10 @@ def resident_weight_bytes(weights: dict, cpu_sessions: int) -> int:
     (prepacks) is charged an fp32 copy of every parameter per session: a bound, packing only the
     matmuls' weights (the embedded model with its verify session open: +14 MB of PSS measured
     against unpacked, +63 MB charged)."""
-    if weights.get("mode", "float") == "float":
-        return int(weights["bytes"]) + (cpu_sessions * 4 * int(weights["params"]) if prepacks(weights) else 0)
-    return int(weights["bytes"]) + max(cpu_sessions - 1, 0) * int(weights.get("prepacked_bytes", 0))
+    weights = Weights.of(weights)
+    if weights.mode == "float":
+        return int(weights.bytes) + (cpu_sessions * 4 * int(weights.params) if prepacks(weights) else 0)
+    return int(weights.bytes) + max(cpu_sessions - 1, 0) * int(weights.prepacked_bytes or 0)
 
 
 def default_budget() -> int:

@@ -8,6 +8,8 @@ import os
 import numpy as np
 import onnxruntime as ort
 
+from hybrid_npu.manifest import Weights
+
 from .memory import prepacks
 from .npu_attention import feed_attention
 from .session_options import cpu_inference_session, session_options
@@ -22,10 +24,11 @@ def cpu_graph(graphs: dict, name: str) -> str:
     return "cpu" if name in ("prefill", "decode") and "cpu" in graphs else name
 
 
-def cpu_session(path, manifest: dict, threads: int | None = None, arena: bool = False) -> ort.InferenceSession:
-    """A CPU session of one of the export's graphs, set up the way every reader of an export needs.
-    arena: keep ONNX Runtime's memory arena, for a graph whose scratch a call holds is bounded
-    whatever the context (the tiled CPU graphs: kernels/attention.py)."""
+def cpu_session(path, weights: Weights, threads: int | None = None, arena: bool = False) -> ort.InferenceSession:
+    """A CPU session of one of the export's graphs, set up the way every reader of an export needs
+    (weights: the export's manifest weights record). arena: keep ONNX Runtime's memory arena, for a
+    graph whose scratch a call holds is bounded whatever the context (the tiled CPU graphs:
+    kernels/attention.py)."""
     opts = session_options(threads)
     # A large float export does not prepack: its weights stay in the memory-mapped weights.bin that
     # every session of the model shares (held once in RAM, ~1 s to load). Measured on Qwen3.5-0.8B
@@ -38,7 +41,7 @@ def cpu_session(path, manifest: dict, threads: int | None = None, arena: bool = 
     # bounded scratch the arena is kept: without it every large block is a fresh mapping, paged in
     # again on every call (a decode step over an fp16 cache at 32k: 3.5 against ~10 tok/s fp32).
     opts.enable_cpu_mem_arena = arena
-    if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not prepacks(manifest["weights"]):
+    if os.environ.get("HYBRID_NPU_PREPACK") != "1" and not prepacks(weights):
         opts.add_session_config_entry("session.disable_prepacking", "1")
     return cpu_inference_session(path, opts)
 

@@ -64,7 +64,7 @@ class ChatService:
     def __init__(self, engine, model_id: str, conversations: int = 4, speculative: bool | None = None,
                  log: Callable[[str], None] = _log, max_queue: int = DEFAULT_MAX_QUEUE):
         self.engine, self.model_id, self.speculative, self.log = engine, model_id, speculative, log
-        self.template = ChatTemplate.from_export(engine.path)
+        self.template = ChatTemplate.from_export(engine.path, engine.manifest)
         self.contexts = ServedContexts(engine, max(conversations - 1, 0))  # the engine holds one more
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-serve")
         self.max_queue, self.active = max_queue, 0

@@ -49,7 +49,7 @@ def prompt_ids(engine, document: str) -> list[int]:
     from .conversation import encode_turns, require_tokenizer
 
     require_tokenizer(engine)
-    template = ChatTemplate.from_export(engine.path)
+    template = ChatTemplate.from_export(engine.path, engine.manifest)
     return encode_turns(engine, template, [{"role": "user", "content": INSTRUCTION + document}],
                         False if template.has_thinking_switch else None)
 

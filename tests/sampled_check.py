@@ -46,7 +46,7 @@ def check_first_two(engine, logits0, temperature: float, top_p: float, draft) ->
     distribution of the first two tokens (chi-square), with drafts really accepted."""
     base, v = copy.deepcopy(engine.state), len(logits0)
     p1 = filtered_probs(logits0, temperature, 0, top_p)
-    n = engine.manifest["graphs"]["verify"]["n"]
+    n = engine.manifest.verify.n
     joint, verified = np.zeros((v, v)), {}
     for y in range(v):
         engine.state = copy.deepcopy(base)

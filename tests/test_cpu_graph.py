@@ -15,6 +15,7 @@ from conftest import CHUNK
 import hybrid_npu
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.export.exporter import export
+from hybrid_npu.manifest import Weights
 from hybrid_npu.runtime.pipeline import Pipeline, cpu_session
 from hybrid_npu.runtime.state import State
 from hybrid_npu.runtime.step_inputs import chain_feed, commit_chain
@@ -29,7 +30,7 @@ def int4(text_tied, tmp_path_factory):
 
 def _pipelines(path):
     manifest = json.loads((path / "model.json").read_text())
-    return manifest, {name: Pipeline([cpu_session(path / manifest["graphs"][name]["file"], manifest)], "cpu")
+    return manifest, {name: Pipeline([cpu_session(path / manifest["graphs"][name]["file"], Weights.of(manifest["weights"]))], "cpu")
                       for name in ("prefill", "decode", "cpu")}
 
 

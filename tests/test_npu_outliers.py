@@ -74,7 +74,7 @@ def test_npu_verify_with_massive_activations_matches_transformers(outliers, htp_
     path, _, ref = outliers
     prof = load_profile(derived_profile(htp_profile, tmp_path, "outlier-verify", verify_device='"npu"'))
     engine = hybrid_npu.load(path)
-    n = engine.manifest["graphs"]["verify"]["n"]
+    n = engine.manifest.verify.n
     pipe = open_npu_pipeline(path, engine.manifest, prof, "verify")
     (feed, _), = list(calibration_steps(engine.config, PROMPT, n, True, prof.attention_capacity))
     out = pipe.run(feed)

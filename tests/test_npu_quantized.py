@@ -186,7 +186,7 @@ def test_verify_parts_are_calibrated_on_chain_trees(text_tied, htp_profile, cali
     types, _ = _initializer_types(out / m["npu"]["verify-npu"]["verify_parts"][0]["file"])
     assert any(t == TensorProto.INT8 for t in types.values())
     engine = hybrid_npu.load(text_tied.out)
-    n = engine.manifest["graphs"]["verify"]["n"]
+    n = engine.manifest.verify.n
     ids = (_prompt(engine, 10 * CHUNK) * 4)[: 2 * n - 3]  # the second tree is not full
     last = {}
     for graph, tree, size in (("prefill", False, CHUNK), ("verify", True, n)):

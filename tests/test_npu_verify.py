@@ -76,16 +76,16 @@ def test_a_context_beyond_the_npu_capacity_verifies_on_the_cpu(text_tied, htp_pr
     engine = hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
     engine.drafter = OracleDrafter(320, engine, PROMPT + cpu_plain, wrong_rate=0.3, seed=2)
     engine.adaptive = False  # a round every step: where rounds run is the question, not whether they pay
-    static = engine.manifest["graphs"]["verify"]["n"]
+    static = engine.manifest.verify.n
     assert engine.verify_graph(1) == ("QNN/HTP", static)  # an empty context fits the NPU's T_max
     assert engine.draft_shape["top_k"] == 4  # the NPU's static N: a tree's extra nodes cost nothing there
     out = engine.generate(PROMPT, 100, stop_at_eos=False)  # 19 + 100 tokens > T_max 96
     assert out == cpu_plain
     assert engine.last_stats["verify_device"] == "CPU"
     # past T_max a round is the CPU's, through its graph sized to the draft, not the NPU's N
-    sizes, shape = engine.manifest["graphs"]["cpu_verify"]["sizes"], engine.draft_shape
+    sizes, shape = list(engine.manifest.cpu_verify.sizes), engine.draft_shape
     holds = 1 + min(shape["total_tokens"], shape["top_k"])  # a one-level tree, as many nodes as it has
-    assert engine.manifest["graphs"]["cpu_verify"]["any_count"] and sizes[-1] == static
+    assert engine.manifest.cpu_verify.any_count and sizes[-1] == static
     assert engine.verify_graph(1) == ("CPU", holds) and holds < static
 
 

@@ -48,7 +48,7 @@ def run_mode(engine, mode, run, ids, seed):
         if mode == "random policy":
             engine.make_policy = lambda e: RandomPolicy(run, e.draft_shape["depth"])
         if mode == "tree":
-            n = engine.manifest["graphs"]["verify"]["n"]
+            n = engine.manifest.verify.n
             engine.draft_shape = dict(TREE_SHAPE, depth=4, total_tokens=n - 1)
         reply = engine.generate(ids, NEW, seed=seed, stop_at_eos=False, speculative=mode != "plain", **SETTINGS)
         return reply, (engine.last_stats.get("rounds", 0) if mode != "plain" else 0)

@@ -2,6 +2,8 @@
 greedy decoding whatever the drafter proposes, the committed state equals plain decoding of the
 accepted tokens, and sampled output has exactly the plain sampling distribution."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import CHUNK
@@ -73,7 +75,7 @@ PROMPT = [int(t) for t in np.random.default_rng(42).integers(0, 300, CHUNK + 5)]
 def drafting_trees(engine):
     """The engine drafting top-4 trees, as where it verifies on the NPU (on the CPU its default is a
     chain, runtime/speculative.py): an accepted path then skips siblings."""
-    engine.draft_shape = dict(TREE_SHAPE, total_tokens=engine.manifest["graphs"]["verify"]["n"] - 1)
+    engine.draft_shape = dict(TREE_SHAPE, total_tokens=engine.manifest.verify.n - 1)
     return engine
 
 
@@ -113,8 +115,9 @@ def test_a_chain_between_two_core_sizes_speculates_to_the_plain_output(text_tied
     the host to 16. Both give the plain output."""
     engine = hybrid_npu.load(text_tied.out)
     if not any_count:
-        del engine.manifest["graphs"]["cpu_verify"]["any_count"]
-    assert 9 not in engine.manifest["graphs"]["cpu_verify"]["sizes"]
+        sized = dataclasses.replace(engine.manifest.cpu_verify, any_count=None)
+        engine.manifest = dataclasses.replace(engine.manifest, graphs={**engine.manifest.graphs, "cpu_verify": sized})
+    assert 9 not in engine.manifest.cpu_verify.sizes
     engine.draft_shape = {"top_k": 1, "depth": 9, "total_tokens": 9}
     engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, wrong_rate=0.2, chain=True)
     engine.adaptive = False
@@ -219,7 +222,8 @@ def test_an_export_without_a_recorded_shape_drafts_chains_where_the_cpu_verifies
     import shutil
 
     engine = hybrid_npu.load(text_tied.out)
-    assert "draft_shape" not in engine.manifest.get("drafter", {}) and "npu_verify" not in engine.pipelines
+    assert (engine.manifest.drafter is None or engine.manifest.drafter.draft_shape is None) \
+        and "npu_verify" not in engine.pipelines
     assert engine.draft_shape == CHAIN_SHAPE
     engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, seed=4)
     engine.adaptive = False

@@ -62,9 +62,9 @@ def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_
     moves these logits (|logit| ~ 7) by up to ~2e-4 on some paths (transformers' own fp32 run: 1.9e-4)."""
     ref64 = copy.deepcopy(text_tied.ref).double()
     engine = hybrid_npu.load(text_tied.out)
-    sizes = engine.manifest["graphs"]["cpu_verify"]["sizes"]
-    assert sizes[:7] == list(range(2, 9)) and sizes[-1] == engine.manifest["graphs"]["verify"]["n"] > 9
-    graph = onnx.load(str(engine.path / engine.manifest["graphs"]["cpu_verify"]["file"]), load_external_data=False)
+    sizes = list(engine.manifest.cpu_verify.sizes)
+    assert sizes[:7] == list(range(2, 9)) and sizes[-1] == engine.manifest.verify.n > 9
+    graph = onnx.load(str(engine.path / engine.manifest.cpu_verify.file), load_external_data=False)
     ifs = [n for n in graph.graph.node if n.op_type == "If"]
     assert ifs and sizes[-1] > ANY_COUNT_MAX == 16
     for node in ifs:  # a 2-16 node call passes one If a layer

@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
     from hybrid_npu.export.exporter import export
-    from hybrid_npu.export.manifest import is_export
+    from hybrid_npu.manifest import is_export
 
     lengths = [int(x) for x in args.lengths.split(",")]
     series = {}

@@ -64,8 +64,8 @@ def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -
     for _ in range(3):  # plain decoding: an export with a drafter would otherwise speculate (engine default)
         engine.generate(prompt[:16], decode, stop_at_eos=False, speculative=False)
         decode_tps = max(decode_tps, engine.last_stats["decode_tokens_per_s"])
-    weights = engine.manifest["weights"]
-    return {"weights": weights.get("mode", "float"), "weights_file_gb": round(weights["bytes"] / 1e9, 3),
+    weights = engine.manifest.weights
+    return {"weights": weights.mode, "weights_file_gb": round(weights.bytes / 1e9, 3),
             "load_s": round(load_s, 2), "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
             "decode_tokens_per_s": round(decode_tps, 2),
             "after_load": after_load, **_memory_gb()}
@@ -75,9 +75,11 @@ def decode_session_gb(export_dir: Path) -> float:
     """PSS a session of the one-token decode graph alone adds."""
     from hybrid_npu.runtime.pipeline import cpu_session
 
-    manifest = json.loads((export_dir / "model.json").read_text())
+    from hybrid_npu.manifest import load_manifest
+
+    manifest = load_manifest(export_dir)
     before = psutil.Process().memory_full_info().pss
-    session = cpu_session(export_dir / manifest["graphs"]["decode"]["file"], manifest)
+    session = cpu_session(export_dir / manifest.decode.file, manifest.weights)
     grown = psutil.Process().memory_full_info().pss - before
     del session
     return round(grown / 1e9, 2)

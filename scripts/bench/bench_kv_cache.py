@@ -35,7 +35,7 @@ SEED = 0
 
 def export_for(workdir: Path, kv_cache: str) -> Path:
     from hybrid_npu.export.exporter import export
-    from hybrid_npu.export.manifest import is_export
+    from hybrid_npu.manifest import is_export
 
     out = workdir / f"export-int4-{kv_cache}"
     if not is_export(out):

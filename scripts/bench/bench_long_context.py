@@ -24,7 +24,7 @@ import harness  # noqa: E402  (one JSON object, machine and commit recorded)
 
 def build(which: str, workdir: Path) -> Path:
     from hybrid_npu.export.exporter import export
-    from hybrid_npu.export.manifest import is_export
+    from hybrid_npu.manifest import is_export
 
     out = workdir / f"long-{which}-export"
     if is_export(out):

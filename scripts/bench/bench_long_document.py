@@ -42,7 +42,7 @@ def checkpoint(workdir: Path) -> Path:
 
 def export_for(workdir: Path, kv_cache: str) -> Path:
     from hybrid_npu.export.exporter import export
-    from hybrid_npu.export.manifest import is_export
+    from hybrid_npu.manifest import is_export
 
     out = workdir / f"export-int4-{kv_cache}-document"
     if not is_export(out):

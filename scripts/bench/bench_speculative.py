@@ -61,11 +61,18 @@ SHAPES = {"tree": {"top_k": 4, "depth": 6, "total_tokens": 31},
           "chain": {"top_k": 1, "depth": 6, "total_tokens": 6}}
 
 
-def chat_shapes(manifest: dict, kind: str | None, chain_depths: list[int] | None) -> dict:
+def recorded_shape(manifest, kind: str | None) -> dict | None:
+    """The draft shape the export records for its default drafter, where `kind` is that drafter."""
+    d = manifest.drafter
+    if d is None or d.draft_shape is None or kind not in (None, d.drafter_kind):
+        return None
+    return d.draft_shape.as_dict()
+
+
+def chat_shapes(manifest, kind: str | None, chain_depths: list[int] | None) -> dict:
     """The chat rows' shapes for one drafter kind: the tree, and the chain the export records for it
     (else SHAPES["chain"]), or with --chain-depths one chain per depth ("chain6", "chain14", ...)."""
-    recorded = manifest.get("drafter", {})
-    shape = recorded.get("draft_shape") if kind in (None, recorded.get("kind", "eagle3")) else None
+    shape = recorded_shape(manifest, kind)
     if chain_depths:
         chains = {f"chain{d}": {"top_k": 1, "depth": d, "total_tokens": d} for d in chain_depths}
     else:
@@ -112,7 +119,7 @@ def context_prompts(tokenizer, prompts: list[str], lengths: list[int], n: int) -
 
 def set_mode(engine, mode: str, shape: dict) -> None:
     engine.adaptive = mode != "always"
-    engine.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], engine.manifest["graphs"]["verify"]["n"] - 1))
+    engine.draft_shape = dict(shape, total_tokens=min(shape["total_tokens"], engine.manifest.verify.n - 1))
 
 
 # "vs_own_plain_steps": a reply's tokens at the median cost of its own plain decode steps, over its
@@ -349,9 +356,7 @@ def main() -> int:
     result["chat"] = {"prompts": len(prompts), "new_tokens_per_prompt": args.new, "rows": best}
     print(json.dumps(result["chat"]), file=sys.stderr, flush=True)
     # after long contexts: the embedded default draft shape (its manifest's) for the default drafter
-    default = engine.manifest.get("drafter", {})
-    shapes = {kind: default.get("draft_shape", SHAPES["chain"]) if kind in (None, default.get("kind", "eagle3"))
-              else SHAPES["chain"] for kind in engines}
+    shapes = {kind: recorded_shape(engine.manifest, kind) or SHAPES["chain"] for kind in engines}
     try:
         contexts = context_prompts(engine.tokenizer, prompts, args.contexts, args.context_prompts)
     except ValueError as e:

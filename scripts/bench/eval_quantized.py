@@ -15,7 +15,6 @@ token), at the same positions as the CPU rows; top-1 agreement is with the CPU f
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -76,12 +75,13 @@ def score(engine, wins) -> tuple[float, list[int]]:
 def score_htp(path: Path, profile, wins) -> tuple[float, list[int]]:
     """Teacher-forced through the NPU verify parts: each window in chain-shaped trees from a fresh
     state of exactly T_max K/V rows (the shape the HTP graphs were compiled for)."""
-    from hybrid_npu.config import ModelConfig
     from hybrid_npu.export.qdq import calibration_steps
     from hybrid_npu.runtime.npu_sessions import open_npu_pipeline
 
-    manifest = json.loads((path / "model.json").read_text())
-    cfg, n = ModelConfig.from_dict(manifest["config"]), manifest["graphs"]["verify"]["n"]
+    from hybrid_npu.manifest import load_manifest
+
+    manifest = load_manifest(path)
+    cfg, n = manifest.model_config, manifest.verify.n
     pipe = open_npu_pipeline(path, manifest, profile, "verify")
     total, argmax = 0.0, []
     for w in wins:

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from hybrid_npu import integrity
-from hybrid_npu.export.manifest import MANIFEST, is_export
+from hybrid_npu.format import MANIFEST
+from hybrid_npu.manifest import is_export
 
 
 def main() -> int:

@@ -71,13 +71,13 @@ def record(root: Path) -> dict:
     return {"algorithm": ALGORITHM, "files": files}
 
 
-def verify(root: Path, manifest: dict, npu_profile: str | None = None) -> list[str]:
+def verify(root: Path, entry, weights, npu_profile: str | None = None) -> list[str]:
     """UserError naming the first missing, resized or changed file of the export at root. QNN
     context binaries are a cache the runtime can rebuild from the graphs: only those of
-    npu_profile are checked, and the damaged ones are returned instead of refused."""
-    entry = manifest.get("integrity")
+    npu_profile are checked, and the damaged ones are returned instead of refused. entry: the
+    manifest's integrity entry as written by record() (checked here), weights: its Weights record."""
     if not isinstance(entry, dict):
-        _sizes_only(root, manifest)
+        _sizes_only(root, weights)
         return []
     if entry.get("algorithm") != ALGORITHM or not isinstance(entry.get("files"), dict):
         raise UserError(f"{root / 'model.json'}: unknown integrity entry (algorithm {entry.get('algorithm')!r}); "
@@ -127,13 +127,12 @@ def _size(path: Path, rel: str, root: Path) -> int:
         raise UserError(f"{root} is incomplete: {rel} is missing; copy the export again or re-export it") from None
 
 
-def _sizes_only(root: Path, manifest: dict) -> None:
+def _sizes_only(root: Path, w) -> None:
     """Exports from before integrity hashes: the weights file must exist and hold what was written."""
-    w = manifest.get("weights") or {}
-    if "file" not in w:
+    if w.file is None:
         return
-    path = inside(root, w["file"], "weights file", _FIX)
-    size, want = _size(path, w["file"], root), w.get("bytes")
+    path = inside(root, w.file, "weights file", _FIX)
+    size, want = _size(path, w.file, root), w.bytes
     if want is not None and size != want:
         raise UserError(f"{path} is {size} bytes, the export wrote {want}: the file is truncated or "
                         "damaged; copy the export again or re-export it")

@@ -239,8 +239,10 @@ def test_an_fp32_snapshot_loads_into_a_narrower_cache(caches, kv, tmp_path):
         a, b = layer.rows(len(ids)), fresh.state.attention[i].rows(len(ids))
         widened = [x.astype(np.float32) * (1 if s is None else s[..., None]) for x, s in ((a[0], a[2]), (a[1], a[3]))]
         fresh_w = [x.astype(np.float32) * (1 if s is None else s[..., None]) for x, s in ((b[0], b[2]), (b[1], b[3]))]
+        # a fresh int8 prefill attends to its own rows rounded to 8 bits (emit_as_cached), so its
+        # later layers' rows carry that rounding beside the fp32 run's: twice fp16's bound
         for x, y in zip(widened, fresh_w):
-            np.testing.assert_allclose(x, y, atol=2e-2 * np.abs(y).max())
+            np.testing.assert_allclose(x, y, atol=(2e-2 if kv == "fp16" else 4e-2) * np.abs(y).max())
     assert greedy(resumed, 7, 12) == greedy(fresh, 7, 12)
 
 

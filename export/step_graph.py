@@ -467,9 +467,9 @@ class _Builder:
         rows = -1 if n is None else n
         q, gate, new_k, new_v = self._attention_inputs(qg, k, v, a, n)
         mask = self.attention_rows(n)[2]
-        # the new rows as the cache will hold them (kernels/attention.emit_as_cached: why); the HTP
-        # computes in fp16 whatever the cache, so its graphs take them as they are
-        kv = "fp32" if self.spec.npu else self.spec.kv_cache
+        # the CPU graphs take the new rows as the cache will hold them (kernels/attention.emit_as_cached:
+        # why); the NPU-shaped graphs, which the HTP computes in fp16 whatever the cache, as they are
+        kv = self.spec.kv_cache if self.ops.tiled_attention else "fp32"
         seen_k, seen_v = emit_as_cached(g, new_k, kv), emit_as_cached(g, new_v, kv)
         # tiles wherever a call would otherwise hold per-context memory: a chunk's [N, T] scores, or a
         # widened copy of an fp16 / int8 cache; a few rows over an fp32 cache read it in place untiled

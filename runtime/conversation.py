@@ -26,7 +26,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.safe_files import read_text
 
 from .chat_template import ChatTemplate
-from .checkpoints import common_prefix
+from .turn_checkpoints import common_prefix
 from .tool_calls import check_tools, parse_tool_calls
 
 CHAT_FORMAT = "hybrid-npu-chat/1"

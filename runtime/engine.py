@@ -24,7 +24,7 @@ from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.safe_files import TOKENIZER_BYTES, read_text
 
 from .drafter_feed import DrafterFeed, feed_for
-from .checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext
+from .turn_checkpoints import DEFAULT_MAX_CHECKPOINTS, Checkpoint, Checkpoints, HeldContext
 from .drafters import Drafter, DrafterCaps
 from .export_check import check_chain_graph, damaged, read_manifest
 from .memory import plan_memory, resident_weight_bytes

@@ -5,7 +5,7 @@ export/ imports the runtime only through this module (tests/test_layering.py); t
 imports export/."""
 from __future__ import annotations
 
-from .checkpoints import DEFAULT_MAX_CHECKPOINTS
+from .turn_checkpoints import DEFAULT_MAX_CHECKPOINTS
 from .memory import MARGIN_BYTES, plan_memory, resident_weight_bytes
 from .npu_sessions import npu_part_files, with_export_capacity
 from .pipeline import Pipeline, cpu_graph, cpu_session

@@ -36,7 +36,7 @@ from hybrid_npu.format import KV_CACHES, LEGACY_KV_CACHE
 from hybrid_npu.safe_files import open_regular, safetensors_header
 
 from .atomic_io import write_atomically
-from .checkpoints import Checkpoint
+from .turn_checkpoints import Checkpoint
 from .state import State
 
 

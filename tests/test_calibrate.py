@@ -12,7 +12,7 @@ from conftest import CHUNK
 import hybrid_npu
 from hybrid_npu.format import MANIFEST
 from hybrid_npu.profiles.loader import load_profile
-from hybrid_npu.runtime.calibrate import calibrate
+from hybrid_npu.runtime.npu_bench import calibrate
 
 
 def test_calibrate_measures_both_sides_and_writes_the_threshold(text_tied, htp_profile, tmp_path, monkeypatch):

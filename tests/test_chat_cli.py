@@ -17,7 +17,7 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.chat_cli import main
 from hybrid_npu.runtime.chat_template import ChatTemplate
-from hybrid_npu.runtime.checkpoints import common_prefix
+from hybrid_npu.runtime.turn_checkpoints import common_prefix
 from hybrid_npu.runtime.conversation import Conversation, Sampling, sidecar
 
 PROMPT = "you>"  # prompt_toolkit draws "you>" and moves the cursor over the space

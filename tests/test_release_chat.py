@@ -18,7 +18,7 @@ import torch
 import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.chat_cli import main as chat_main
-from hybrid_npu.runtime.checkpoints import common_prefix
+from hybrid_npu.runtime.turn_checkpoints import common_prefix
 from hybrid_npu.runtime.conversation import Conversation, Sampling
 from hybrid_npu.runtime.tool_calls import parse_tool_calls
 

@@ -270,7 +270,7 @@ def test_commit_path_writes_the_state_in_place_and_leaves_a_checkpoint_alone():
     the value commit_state_ref gives in new arrays (the tests above hold that against the recurrence);
     a checkpoint taken before keeps the old state; a read-only state array is replaced, not written."""
     from hybrid_npu.kernels.delta_rule import commit_state_ref
-    from hybrid_npu.runtime.checkpoints import Checkpoint
+    from hybrid_npu.runtime.turn_checkpoints import Checkpoint
     from hybrid_npu.runtime.speculative import commit_path
 
     state, out, tree, path, k = _random_round(1, with_attention=False)

@@ -72,7 +72,7 @@ def _cpu_name() -> str:
 
 def measure(export: str, repeats: int) -> dict:
     import hybrid_npu
-    from hybrid_npu.runtime.calibrate import verify_costs
+    from hybrid_npu.runtime.npu_bench import verify_costs
 
     engine = hybrid_npu.load(export, profile="cpu", prefill="cpu")
     prompt = list(range(100, 116))

@@ -5,7 +5,9 @@ least --tokens prompt tokens (Python standard-library sources, concatenated); th
 fresh process the way npu-summarize runs it (read_document, prompt_ids, summarize) while this one
 samples the child's resident memory. Prints one JSON object: peak RSS against the memory plan's
 figure for the context (weights + state + K/V per token; the plan keeps MARGIN_BYTES beside it),
-prefill tok/s over the first and the last --window prompt tokens and overall, decode tok/s.
+prefill tok/s over the first and the last --window prompt tokens and overall, decode tok/s. While it
+runs, the child prints a JSON line on stderr every --window prompt tokens (tokens so far, tok/s since
+the last line, its resident memory).
 
     python scripts/bench/bench_long_document.py [--tokens 100000] [--window 10000] [--workdir DIR]
                                           [--max-new-tokens 32] [--kv-cache fp16]
@@ -78,9 +80,22 @@ def child(export_dir: Path, doc: Path, args) -> dict:
     engine = hybrid_npu.load(export_dir, threads=args.threads, checkpoints=0)
     ids = prompt_ids(engine, read_document(doc, take=TokenCounter(engine, args.max_new_tokens, doc)))
     marks = [(time.perf_counter(), 0)]
-    result = summarize(engine, ids, max_new_tokens=args.max_new_tokens,
-                       progress=lambda done, total: marks.append((time.perf_counter(), done)))
     n, w = len(ids), args.window
+    me, printed = psutil.Process(), [marks[0]]
+
+    def progress(done: int, total: int) -> None:
+        """Timed marks; a line on stderr each --window tokens, so a run stopped early still shows its
+        rates and resident memory so far (a CPU prefill of 100k tokens takes hours on 2 cores)."""
+        now, before = time.perf_counter(), marks[-1][1]
+        marks.append((now, done))
+        if done // w > before // w or done == total:
+            then, was = printed[-1]
+            print(json.dumps({"prefilled": done, "of": total, "elapsed_s": round(now - marks[0][0], 1),
+                              "tok_s_since_last_line": round((done - was) / max(now - then, 1e-9), 2),
+                              "rss_bytes": me.memory_info().rss}), file=sys.stderr, flush=True)
+            printed.append((now, done))
+
+    result = summarize(engine, ids, max_new_tokens=args.max_new_tokens, progress=progress)
 
     def rate(lo: int, hi: int) -> float:
         """Tokens/s over the chunks that end in (lo, hi]: whole chunks, as the progress reports them."""
@@ -119,7 +134,7 @@ def main() -> None:
     cmd = [sys.executable, __file__, "--child", str(export_dir), str(doc), "--window", str(args.window),
            "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)  # its progress lines pass through on stderr
     watched, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         try:
@@ -127,9 +142,9 @@ def main() -> None:
         except psutil.Error:  # it just ended
             break
         time.sleep(0.2)
-    out, err = proc.communicate()
+    out, _ = proc.communicate()
     if proc.returncode != 0:
-        sys.exit(f"bench_long_document: the summary run failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}")
+        sys.exit(f"bench_long_document: the summary run failed (exit {proc.returncode}; its error is above)")
     row = json.loads(out.strip().splitlines()[-1])
     row.update(peak_rss_bytes=peak, peak_rss_over_plan=round(peak / row["plan_bytes"], 3),
                wall_s=round(time.perf_counter() - t0, 1), document_chars=doc.stat().st_size)

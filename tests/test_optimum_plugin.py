@@ -29,7 +29,8 @@ def test_export_help_lists_hybrid_npu():
 
 def test_optimum_cli_export_loads_and_generates(text_tied, tmp_path):
     out = tmp_path / "out"
-    proc = optimum_cli("export", "hybrid-npu", text_tied.src, out, "--chunk", "8")
+    # the fp32 cache: held to transformers at the fp32 bound (the fp16 default: tests/test_kv_cache.py)
+    proc = optimum_cli("export", "hybrid-npu", text_tied.src, out, "--chunk", "8", "--kv-cache", "fp32")
     assert proc.returncode == 0, proc.stderr
     assert "exported 6 layers" in proc.stdout and proc.stdout.splitlines()[-1].startswith("parity: ok")
     engine = hybrid_npu.load(out)

@@ -39,10 +39,10 @@ from .state import KV_BLOCK, State
 from .step_inputs import chain_feed, commit_chain
 
 PREFILL_MODES = ("auto", "npu", "cpu")
-# the CPU graphs (any-N chunks and decode, the sized verify) read the past in tiles or widen a
-# bounded part of it, so what a call holds is bounded whatever the context: their sessions keep ORT's arena
-# (runtime/pipeline.cpu_session)
-BOUNDED_SCRATCH = ("cpu", "cpu_verify")
+# the CPU graphs (any-N chunks and decode, the one-token decode an export without the any-N graph runs,
+# the sized verify) read the past in tiles or widen a bounded part of it, so what a call holds is
+# bounded whatever the context: their sessions keep ORT's arena (runtime/pipeline.cpu_session)
+BOUNDED_SCRATCH = ("cpu", "decode", "cpu_verify")
 
 
 class LazyPipelines(dict):

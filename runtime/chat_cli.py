@@ -10,7 +10,7 @@ from hybrid_npu.cli_common import OneLineParser, console_output, data_output, pa
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
 
-from .model_args import add_engine_arguments, check_engine_arguments, open_model
+from .model_args import add_engine_arguments, check_engine_arguments, open_engine
 
 
 def build_parser() -> OneLineParser:
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         if a.render_only:
             print(render_only(a, tools), end="")
             return 0
-        engine = open_model(a.model, a, checkpoints=0 if a.prompt is not None else None)
+        engine = open_engine(a.model, a, checkpoints=0 if a.prompt is not None else None)
         conv = Conversation(engine, system=a.system, enable_thinking=a.think, tools=tools)
         check_tools_section(conv.template, tools)
         sampling = Sampling(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,

@@ -106,3 +106,26 @@ def feed_for(drafter, caps=None) -> DrafterFeed:
     skips = caps.skips if caps is not None else isinstance(drafter, Skips)
     keep = drafter.context_rows if drafter is not None and skips else None
     return DrafterFeed(keep, drafter)
+
+
+def catch_up_drafter(drafter, feed: DrafterFeed, guesses: int = 0) -> list[bool]:
+    """Show `drafter`, in one call, the pairs it has not observed (`feed`: a prompt's, the plain
+    steps'), skipping those it would never read. Returns whether its first guess before each of the
+    last `guesses` plain-decoded tokens was the target's token (the policy's acceptance evidence,
+    SpecPolicy.record_guesses); each guess is a row of draft logits, so the older ones are not
+    computed (the evidence decays guess by guess and would keep ~8 of them)."""
+    if not len(feed):
+        return []
+    decoded = feed.decoded
+    skipped, tokens, features = feed.take()
+    if skipped:
+        drafter.skip(skipped)
+    k = min(guesses, decoded, len(tokens))
+    if not k:
+        drafter.observe(tokens, features)
+        return []
+    n = len(tokens)
+    first = drafter.guess() if k == n and not skipped else None  # the guess it held before tokens[0]
+    later = drafter.observe(tokens, features, guesses=k if first is not None else k + 1)
+    before = ([first] if first is not None else []) + later[:-1]  # the guesses before tokens[-len(before):]
+    return [g == t for g, t in zip(before, tokens[n - len(before):])]

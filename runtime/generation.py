@@ -11,6 +11,7 @@ speculative.accept_sampled, docs/reproducibility.md).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Iterator
 
@@ -21,79 +22,119 @@ from hybrid_npu.errors import UserError
 from . import look_ahead
 from .drafters import DrafterCaps
 from .npu_sessions import NPU_DEVICE
+from .pipeline import CPU_DEVICE
 from .sampling import Sampler, check_sampling
 from .speculation import SpecPolicy, Step
 from .speculative import Tree, accept_greedy, accept_sampled, commit_beside, tree_feed
 
-CPU_DEVICE = "CPU"
+@dataclass(frozen=True)
+class Response:
+    """What a generation produced: the new tokens (ids) and their text, why it ended ("stop": end of
+    turn; "length": max_new_tokens or the memory plan's limit, stats["context_full"] says which;
+    "interrupted": should_stop), and its stats (where the prefill ran, rates, speculation counts)."""
+    text: str
+    ids: list[int]
+    finish_reason: str
+    stats: dict
 
 
-def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_new_tokens: int = 256, *,
+class Stream:
+    """The new tokens as they are decided; `response` once the iteration is done or closed. A
+    speculative round commits several tokens at once: closing the stream inside a round keeps the
+    round's tokens in the context (context.context_ids()) though they were not all yielded, and the
+    response has them all."""
+
+    def __init__(self, make_tokens: Callable[["Stream"], Iterator[int]]):
+        self.response: Response | None = None
+        self._tokens = make_tokens(self)
+
+    def __iter__(self) -> Iterator[int]:
+        return self._tokens
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+    def close(self) -> None:
+        self._tokens.close()
+
+
+def stream(model, context, prompt_ids: list[int], sampler: Sampler | None = None, max_new_tokens: int = 256, *,
            stop_at_eos: bool = True, append: bool = False, speculative: bool | None = None,
            progress: Callable[[int, int], None] | None = None, should_stop: Callable[[], bool] | None = None,
-           checkpoint_at=()) -> Iterator[int]:
-    """Prefill `prompt_ids`, then yield each new token as it is decided (Engine.generate's arguments;
-    sampler: default the model's own, Sampler.from_defaults). engine.last_stats describes the
-    generation once the iterator is done or closed. A speculative round commits several tokens at
-    once: closing the iterator inside a round keeps the round's tokens in the context
-    (engine.context_ids()) though they were not all yielded."""
+           checkpoint_at=()) -> Stream:
+    """Prefill `prompt_ids` into `context` (a fresh one unless append: then after what it holds),
+    then yield each new token as it is decided; sampler: default the model's own
+    (Sampler.from_defaults). speculative (default: on when the model has a drafter) drafts a token
+    tree per round and verifies it in one pass; the output is exactly the plain output (greedy) or
+    has exactly its distribution (sampled). should_stop (e.g. Ctrl-C) is asked between steps: a
+    round always finishes, so the state stays at the last committed token. checkpoint_at: context
+    positions inside this prefill at which to keep a turn checkpoint."""
+    if context.model is not model:
+        raise UserError("this context belongs to another model: make it with model.new_context()")
     check_sampling(max_new_tokens, None)
-    sampler = sampler if sampler is not None else Sampler.from_defaults(engine.sampling_defaults)
-    speculative = engine.drafter is not None if speculative is None else speculative
-    if speculative and engine.drafter is None:
-        raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")
+    sampler = sampler if sampler is not None else Sampler.from_defaults(model.sampling_defaults)
+    speculative = model.drafter is not None if speculative is None else speculative
+    if speculative and model.drafter is None:
+        raise UserError("speculative=True needs a drafter: hybrid_npu.load_engine(path, drafter=DIR)")
     if not append:
-        engine.reset()
-    ids = engine._pending + list(prompt_ids)  # the last reply's final token is not yet in the state
-    engine._check_fits(len(ids) + 1)  # the prompt and at least one new token
-    pending, engine._pending = engine._pending, []
+        context.reset()
+    ids = context.pending + list(prompt_ids)  # the last reply's final token is not yet in the state
+    context.check_fits(len(ids) + 1)  # the prompt and at least one new token
+    return Stream(lambda out: _generate(model, context, ids, sampler, max_new_tokens, stop_at_eos, append,
+                                        speculative, progress, should_stop, checkpoint_at, out))
+
+
+def _generate(model, context, ids, sampler, max_new_tokens, stop_at_eos, append, speculative, progress,
+              should_stop, checkpoint_at, out: Stream) -> Iterator[int]:
+    pending, context.pending = context.pending, []
     t0 = time.perf_counter()
+    context.own_drafter()
     try:
-        logits = engine.prefill(ids, progress, checkpoint_at)
+        logits = context.prefill(ids, progress, checkpoint_at)
     except UserError:  # refused before any work: the context is as it was
-        engine._pending = pending
+        context.pending = pending
         raise
-    policy = policy_for(engine) if speculative and engine.adaptive else None
+    policy = policy_for(model, context) if speculative and model.adaptive else None
     # the prompt's last pairs, which the first round or guesses read (drafter_feed.py); not while no
     # round could pay here (they wait in the feed until one is tried)
-    if speculative and (policy is None or policy.start(engine.state.position, fresh=not append)):
-        catch_up_drafter(engine)
-    limit = min(max_new_tokens, engine._room())  # the memory plan bounds decode and speculation too
+    if speculative and (policy is None or policy.start(context.state.position, fresh=not append)):
+        context.catch_up_drafter()
+    limit = min(max_new_tokens, context.room())  # the memory plan bounds decode and speculation too
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
-    new = [sampler.choose(logits, engine.state.position)]  # a token's position: the tokens before it
-    engine.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0,
-                         "ahead_kept": 0, "ahead_dropped": 0}
-    engine._ahead = None  # a look-ahead never outlives its reply
-    steps_s = engine.spec_stats["plain_step_s"] = []  # each plain step's decode and choice
-    if engine.drafter is not None and engine._tap_pending is not None:
-        engine.drafter_feed.add([new[0]], engine._tap_pending[None])
-        engine._tap_pending = None
-    done = lambda: ((stop_at_eos and new[-1] in engine.config.eos_token_ids) or len(new) >= limit  # noqa: E731
+    new = [sampler.choose(logits, context.state.position)]  # a token's position: the tokens before it
+    stats = context.spec_stats = {"rounds": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0, "plain_steps": 0,
+                                  "ahead_kept": 0, "ahead_dropped": 0, "plain_step_s": []}
+    context.ahead = None  # a look-ahead never outlives its reply
+    steps_s = stats["plain_step_s"]  # each plain step's decode and choice
+    if model.drafter is not None and context.tap_pending is not None:
+        context.drafter_feed.add([new[0]], context.tap_pending[None])
+        context.tap_pending = None
+    done = lambda: ((stop_at_eos and new[-1] in model.config.eos_token_ids) or len(new) >= limit  # noqa: E731
                     or (should_stop is not None and should_stop()))
     guessed = None  # (hits, seconds) of a plain step's guesses, told the policy with the next step
     try:
         yield new[0]
         while not done():
             # at most two calls into the policy a step: what to run, then what it cost
-            step = (policy.step(guessed) if policy else Step(engine.draft_shape["depth"])) if speculative else Step(0)
+            step = (policy.step(guessed) if policy else Step(model.draft_shape["depth"])) if speculative else Step(0)
             guessed = None
             # near the plan's limit the last tokens decode plainly; so do those while the verify session
-            # is still opening (a fresh engine's first reply): waiting for it cost that reply ~3x
-            if step.depth and round_fits(engine) and engine.pipelines.ready("verify"):
-                emitted = speculative_round(engine, new[-1], limit - len(new), stop_at_eos, sampler, step.depth, policy,
-                                            step.guesses)
+            # is still opening (a fresh model's first reply): waiting for it cost that reply ~3x
+            if step.depth and round_fits(model, context) and model.pipelines.ready("verify"):
+                emitted = speculative_round(model, context, new[-1], limit - len(new), stop_at_eos, sampler,
+                                            step.depth, policy, step.guesses)
             elif speculative:
-                emitted = [plain_step(engine, new[-1], sampler)]
+                emitted = [plain_step(model, context, new[-1], sampler)]
                 k = policy.after_plain(steps_s[-1] if step.timed else None,
-                                       engine.drafter_feed.decoded) if policy is not None else 0
+                                       context.drafter_feed.decoded) if policy is not None else 0
                 if k:  # the drafter's guesses: acceptance without a round
                     t = time.perf_counter()
-                    hits = catch_up_drafter(engine, k)
+                    hits = context.catch_up_drafter(k)
                     guessed = (hits, time.perf_counter() - t)
             else:
                 t = time.perf_counter()
-                emitted = [sampler.choose(engine._step("decode", [new[-1]]), engine.state.position)]
+                emitted = [sampler.choose(context.step("decode", [new[-1]]), context.state.position)]
                 steps_s.append(time.perf_counter() - t)
             new.extend(emitted)  # in the context now, whether or not the caller takes them all
             yield from emitted
@@ -101,24 +142,25 @@ def stream(engine, prompt_ids: list[int], sampler: Sampler | None = None, max_ne
         t_decode = time.perf_counter() - t1
         if guessed is not None:  # the last step's guesses, had no step come after it
             policy.took_guesses(*guessed)
-        engine._pending = new[-1:]
-        engine.last_stats = {
+        context.pending = new[-1:]
+        finish = _finish_reason(new, stop_at_eos, model.config.eos_token_ids, should_stop)
+        s = {
             "prefill_tokens": len(ids), "prefill_tokens_per_s": len(ids) / max(t_prefill, 1e-9),
-            "prefill_device": engine._prefill_devices, "decode_tokens": len(new),
+            "prefill_device": context.prefill_devices, "decode_tokens": len(new),
             "decode_tokens_per_s": max(len(new) - 1, 0) / max(t_decode, 1e-9), "decode_device": CPU_DEVICE,
-            "ttft_s": t_prefill, "context_tokens": engine.state.position + len(engine._pending),
-            "finish_reason": _finish_reason(new, stop_at_eos, engine.config.eos_token_ids, should_stop),
-            "context_full": len(new) >= limit and limit < max_new_tokens,
+            "ttft_s": t_prefill, "context_tokens": context.state.position + len(context.pending),
+            "finish_reason": finish, "context_full": len(new) >= limit and limit < max_new_tokens,
             # a plain step's typical cost in this very reply: new tokens x this over the decode time is
             # the reply's rate against plain decoding measured at the same moments (bench_speculative)
             "plain_step_median_s": median(steps_s) if steps_s else None,
         }
         if speculative:
-            r = engine.spec_stats
-            engine.last_stats.update(rounds=r["rounds"], plain_steps=r["plain_steps"], draft_s=r["draft_s"],
-                                     verify_s=r["verify_s"], verify_device=r.get("verify_device", CPU_DEVICE),
-                                     acceptance_length=(r["accepted"] + r["rounds"]) / max(r["rounds"], 1),
-                                     ahead_kept=r.get("ahead_kept", 0), ahead_dropped=r.get("ahead_dropped", 0))
+            s.update(rounds=stats["rounds"], plain_steps=stats["plain_steps"], draft_s=stats["draft_s"],
+                     verify_s=stats["verify_s"], verify_device=stats.get("verify_device", CPU_DEVICE),
+                     acceptance_length=(stats["accepted"] + stats["rounds"]) / max(stats["rounds"], 1),
+                     ahead_kept=stats["ahead_kept"], ahead_dropped=stats["ahead_dropped"])
+        text = model.tokenizer.decode(new) if model.tokenizer is not None else ""
+        out.response = Response(text, list(new), finish, s)
 
 
 def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> str:
@@ -132,62 +174,38 @@ def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> s
 
 
 # ---------------------------------------------------------------- speculation
-def policy_for(engine) -> SpecPolicy:
-    """One policy per draft shape, kept from reply to reply and when the shape is switched away and
-    back (its costs and acceptance still hold for that shape: a bench_speculative run that alternates
-    a chain and a tree paid each repeat's measuring rounds again); shapes are kept apart (a tree's
-    acceptance and verify sizes say nothing of a chain's: a top-4 tree's costs held chain rounds
-    back); all new when engine.make_policy was replaced."""
-    if getattr(engine, "_policies", None) is None or engine._policy_maker is not engine.make_policy:
-        engine._policies, engine._policy_maker = {}, engine.make_policy
-    key = tuple(sorted(engine.draft_shape.items()))
-    policy = engine._policies.get(key)
+def policy_for(model, context) -> SpecPolicy:
+    """The context's policy for the model's draft shape, kept from reply to reply and when the shape
+    is switched away and back (its costs and acceptance still hold for that shape: a
+    bench_speculative run that alternates a chain and a tree paid each repeat's measuring rounds
+    again); shapes are kept apart (a tree's acceptance and verify sizes say nothing of a chain's: a
+    top-4 tree's costs held chain rounds back); all new when model.make_policy was replaced."""
+    if context.policy_maker is not model.make_policy:
+        context.policies, context.policy_maker = {}, model.make_policy
+    key = tuple(sorted(model.draft_shape.items()))
+    policy = context.policies.get(key)
     if policy is None:
-        policy = engine._policies[key] = engine.make_policy(engine)
-    policy.guessing = engine.drafter_caps.guesses  # the drafter may be swapped
+        policy = context.policies[key] = model.make_policy(context)
+    policy.guessing = model.drafter_caps.guesses  # the drafter may be swapped
     return policy
 
 
-def round_fits(engine) -> bool:
+def round_fits(model, context) -> bool:
     """A speculative round writes a whole tree's rows before it keeps the accepted path."""
-    return engine.state.position + engine.manifest.verify.n <= engine.memory.max_context
+    return context.state.position + model.manifest.verify.n <= context.max_context
 
 
-def plain_step(engine, token: int, sampler: Sampler) -> int:
+def plain_step(model, context, token: int, sampler: Sampler) -> int:
     """One decode step inside a speculative generation, its time appended to plain_step_s: the
     drafter is shown it later, in one call before the next round or when the policy's guesses are
-    due (catch_up_drafter), not one call per plain token."""
+    due (Context.catch_up_drafter), not one call per plain token."""
     t0 = time.perf_counter()
-    nxt = sampler.choose(engine._step("decode", [token]), engine.state.position)
-    engine.spec_stats["plain_step_s"].append(time.perf_counter() - t0)
+    nxt = sampler.choose(context.step("decode", [token]), context.state.position)
+    context.spec_stats["plain_step_s"].append(time.perf_counter() - t0)
     # its taps as the graph returned them (a slice: no index array), joined when the drafter takes them
-    engine.drafter_feed.add([nxt], engine._tap_parts(engine._last_out, slice(0, 1)), decoded=True)
-    engine.spec_stats["plain_steps"] += 1
+    context.drafter_feed.add([nxt], model.tap_parts(context.last_out, slice(0, 1)), decoded=True)
+    context.spec_stats["plain_steps"] += 1
     return nxt
-
-
-def catch_up_drafter(engine, guesses: int = 0) -> list[bool]:
-    """Show the drafter, in one call, the pairs it has not observed (engine.drafter_feed: a prompt's,
-    the plain steps'), skipping those it would never read. Returns whether its first guess before
-    each of the last `guesses` plain-decoded tokens was the target's token (the policy's acceptance
-    evidence, SpecPolicy.record_guesses); each guess is a row of draft logits, so the older ones are
-    not computed (the evidence decays guess by guess and would keep ~8 of them)."""
-    feed = engine.drafter_feed
-    if not len(feed):
-        return []
-    decoded = feed.decoded
-    skipped, tokens, features = feed.take()
-    if skipped:
-        engine.drafter.skip(skipped)
-    k = min(guesses, decoded, len(tokens))
-    if not k:
-        engine.drafter.observe(tokens, features)
-        return []
-    n = len(tokens)
-    first = engine.drafter.guess() if k == n and not skipped else None  # the guess it held before tokens[0]
-    later = engine.drafter.observe(tokens, features, guesses=k if first is not None else k + 1)
-    before = ([first] if first is not None else []) + later[:-1]  # the guesses before tokens[-len(before):]
-    return [g == t for g, t in zip(before, tokens[n - len(before):])]
 
 
 def drafting_with(caps: DrafterCaps, sampler: Sampler, root_position: int) -> dict:
@@ -200,43 +218,43 @@ def drafting_with(caps: DrafterCaps, sampler: Sampler, root_position: int) -> di
     return {"pick": lambda level, logits, ids: sampler.draft_choice(logits, root_position + level, ids)}
 
 
-def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: Sampler, depth: int | None = None,
-                      policy: SpecPolicy | None = None, guesses: int = 0) -> list[int]:
+def speculative_round(model, context, root: int, room: int, stop_at_eos: bool, sampler: Sampler,
+                      depth: int | None = None, policy: SpecPolicy | None = None, guesses: int = 0) -> list[int]:
     """Draft a tree of `depth` levels (default: the draft shape's) under `root`, verify it in one
     pass, commit the accepted path; returns the tokens it emits (accepted drafts + the target's bonus
     token), at most `room`. policy: told what the round cost and accepted, and the hits of the
     `guesses` its drafter's catch-up scored."""
-    depth = engine.draft_shape["depth"] if depth is None else depth
-    device, n = verify = engine.verify_graph(depth)  # the NPU's static graph while it fits T_max
+    depth = model.draft_shape["depth"] if depth is None else depth
+    device, n = verify = context.verify_graph(depth)  # the NPU's static graph while it fits T_max
     tc = time.perf_counter()
-    hits = catch_up_drafter(engine, guesses)
+    hits = context.catch_up_drafter(guesses)
     t0 = time.perf_counter()
-    state = engine.state
-    drafting = drafting_with(engine.drafter_caps, sampler, state.position)
+    state, drafter, stats = context.state, model.drafter, context.spec_stats
+    drafting = drafting_with(model.drafter_caps, sampler, state.position)
     on_npu = device == NPU_DEVICE
     # the drafter runs ahead where the NPU verifies; on the CPU both would share the cores ("always":
     # there too, to measure and test the structure with the CPU standing in for the NPU)
-    ahead = engine.look_ahead == "always" or (on_npu and engine.look_ahead == "npu")
-    kept = look_ahead.take(engine, state.position, root, depth) if ahead else None
+    ahead = model.look_ahead == "always" or (on_npu and model.look_ahead == "npu")
+    kept = look_ahead.take(context, state.position, root, depth) if ahead else None
     if kept:  # the previous round's look-ahead continues exactly here
         draft_tokens, draft_parents = kept, list(range(-1, len(kept) - 1))
-        engine.spec_stats["ahead_kept"] = engine.spec_stats.get("ahead_kept", 0) + 1
+        stats["ahead_kept"] = stats.get("ahead_kept", 0) + 1
     else:
-        draft_tokens, draft_parents = engine.drafter.propose(root, **dict(engine.draft_shape, depth=depth), **drafting)
+        draft_tokens, draft_parents = drafter.propose(root, **dict(model.draft_shape, depth=depth), **drafting)
     tree, n_real = Tree.from_draft(root, draft_tokens, draft_parents, n)
     t1 = time.perf_counter()
-    engine._check_fits(n)
-    t_max = engine.profile.attention_capacity
+    context.check_fits(n)
+    t_max = model.profile.attention_capacity
     if on_npu and state.capacity != t_max:
         state.resize(t_max)  # the NPU graphs read exactly T_max rows; kept for the next rounds
-    run, chain = engine.pipelines["npu_verify" if on_npu else "verify"].run, None
+    run, chain = model.pipelines["npu_verify" if on_npu else "verify"].run, None
     if ahead:  # the NPU verifies while the CPU drafts past the round's likeliest end
-        pending = look_ahead.verify_beside(engine, run, tree_feed(engine.config, state, tree))
-        chain = look_ahead.draft_ahead(engine, root, depth + 1 + engine.draft_shape["depth"], drafting)
+        pending = look_ahead.verify_beside(model, run, tree_feed(model.config, state, tree))
+        chain = look_ahead.draft_ahead(drafter, root, depth + 1 + model.draft_shape["depth"], drafting)
         out = pending.result()
     else:
-        out = run(tree_feed(engine.config, state, tree))
-    engine.spec_stats["verify_device"] = device
+        out = run(tree_feed(model.config, state, tree))
+    stats["verify_device"] = device
     if sampler.greedy:
         path, bonus = accept_greedy(out["logits"], tree, n_real)
     else:
@@ -244,20 +262,19 @@ def speculative_round(engine, root: int, room: int, stop_at_eos: bool, sampler: 
     accepted_drafts = len(path) - 1
     emitted = [tree.tokens[j] for j in path[1:]] + [bonus]
     if stop_at_eos:  # nothing after an end-of-sequence token
-        cut = next((i for i, t in enumerate(emitted) if t in engine.config.eos_token_ids), None)
+        cut = next((i for i, t in enumerate(emitted) if t in model.config.eos_token_ids), None)
         emitted = emitted if cut is None else emitted[: cut + 1]
     emitted = emitted[:room]
     path = path[: len(emitted)]  # the root and the drafts before the last emitted token
     if ahead:  # (a failed look-ahead, chain None, is dropped too)
-        engine._ahead = look_ahead.after_round(state.position, emitted, chain)
-        if engine._ahead is None:
-            engine.spec_stats["ahead_dropped"] = engine.spec_stats.get("ahead_dropped", 0) + 1
-    commit_beside(engine.commit_worker(), state, out, tree, path, engine.config.linear_conv_kernel_dim,
-                  lambda: engine.drafter.observe(emitted, engine._taps(out, np.array(path))))
+        context.ahead = look_ahead.after_round(state.position, emitted, chain)
+        if context.ahead is None:
+            stats["ahead_dropped"] = stats.get("ahead_dropped", 0) + 1
+    commit_beside(context.commit_worker(), state, out, tree, path, model.config.linear_conv_kernel_dim,
+                  lambda: drafter.observe(emitted, model.taps(out, np.array(path))))
     t2 = time.perf_counter()
     if policy is not None:  # what the target accepted, before any cut (room, end of sequence)
         policy.record_round(depth, accepted_drafts, t1 - t0, t2 - t1, verify, hits)
-    stats = engine.spec_stats
     stats["rounds"] += 1
     stats["accepted"] += len(path) - 1
     stats["draft_s"] += t1 - tc

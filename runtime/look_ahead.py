@@ -9,7 +9,7 @@ features); a look-ahead is a propose like a round's, writing only the scratch ro
 drafter has observed, which the next observe and propose write again."""
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 
@@ -20,18 +20,16 @@ class LookAhead:
     chain: tuple          # the next round's draft, a chain under root
 
 
-def verify_beside(engine, run, feed) -> Future:
-    """The verify run on the engine's verify thread (opened once; it ends with the engine)."""
-    if engine._verify_worker is None:
-        engine._verify_worker = ThreadPoolExecutor(1, thread_name_prefix="verify")
-    return engine._verify_worker.submit(run, feed)
+def verify_beside(model, run, feed) -> Future:
+    """The verify run on the model's verify thread (opened once; it ends with the model)."""
+    return model.verify_worker().submit(run, feed)
 
 
-def draft_ahead(engine, root: int, depth: int, drafting: dict) -> list[int] | None:
+def draft_ahead(drafter, root: int, depth: int, drafting: dict) -> list[int] | None:
     """A chain of `depth` levels under `root` (the drafter's most probable path), or None when the
     drafter fails: a look-ahead is an optimisation, never a reason to stop a reply."""
     try:
-        tokens, parents = engine.drafter.propose(root, top_k=1, depth=depth, total_tokens=depth, **drafting)
+        tokens, parents = drafter.propose(root, top_k=1, depth=depth, total_tokens=depth, **drafting)
     except Exception:  # noqa: BLE001 - dropped, like a look-ahead that did not match
         return None
     chain = []
@@ -51,10 +49,10 @@ def after_round(position: int, emitted: list[int], chain: list[int] | None) -> L
     return LookAhead(position + n, emitted[-1], tuple(chain[n:]))
 
 
-def take(engine, position: int, root: int, depth: int) -> list[int] | None:
-    """The kept look-ahead's draft (its first `depth` tokens) when it continues exactly here; the
-    look-ahead is spent either way."""
-    ahead, engine._ahead = engine._ahead, None
+def take(context, position: int, root: int, depth: int) -> list[int] | None:
+    """The context's kept look-ahead's draft (its first `depth` tokens) when it continues exactly
+    here; the look-ahead is spent either way."""
+    ahead, context.ahead = context.ahead, None
     if ahead is None or ahead.position != position or ahead.root != root:
         return None
     return list(ahead.chain[:depth])

@@ -8,7 +8,7 @@ from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads, path_
 from hybrid_npu.errors import UserError
 
 from .drafters import KINDS as DRAFTER_KINDS
-from .engine import PREFILL_MODES
+from .model import PREFILL_MODES
 
 
 def add_engine_arguments(p: OneLineParser, prefill_help: str) -> None:
@@ -33,8 +33,9 @@ def check_engine_arguments(a) -> None:
 
 
 def open_model(model: str | None, a, checkpoints: int | None = None):
-    """model: an export directory, or None for the embedded default model; checkpoints: how many
-    turn checkpoints the engine keeps (None: the default; a one-shot tool needs none)."""
+    """The loaded model (runtime/model.py). model: an export directory, or None for the embedded
+    default model; checkpoints: how many turn checkpoints a context keeps (None: the default; a
+    one-shot tool needs none)."""
     import hybrid_npu
 
     path = Path(model) if model else hybrid_npu.default_model()
@@ -42,3 +43,10 @@ def open_model(model: str | None, a, checkpoints: int | None = None):
         raise UserError(f"model directory {path} does not exist; give an export-hybrid output directory")
     return hybrid_npu.load(path, profile=a.profile, prefill=a.prefill, threads=a.threads, memory=a.memory,
                            checkpoints=checkpoints, drafter=a.drafter)
+
+
+def open_engine(model: str | None, a, checkpoints: int | None = None):
+    """open_model with one conversation on it (runtime/engine.py): what npu-chat and npu-summarize run."""
+    from .engine import Engine
+
+    return Engine(open_model(model, a, checkpoints))

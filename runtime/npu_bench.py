@@ -85,7 +85,7 @@ def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps:
 
     prof = load_profile(profile)
     model = hybrid_npu.default_model() if model is None else model
-    cpu = hybrid_npu.load(model, profile=prof.source, prefill="cpu")
+    cpu = hybrid_npu.load_engine(model, profile=prof.source, prefill="cpu")
     rng = np.random.default_rng(0)
     vocab = min(cpu.config.vocab_size, 1000)
     result = {"profile": prof.name, "model": str(model), "lengths": lengths, "cpu_prefill_tokens_per_s": [],
@@ -98,7 +98,7 @@ def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps:
     has_verify = cpu.manifest.verify is not None
     prompt = [int(t) for t in rng.integers(0, vocab, 8)]
     if prof.has_npu:
-        npu = hybrid_npu.load(model, profile=prof.source, prefill="auto")
+        npu = hybrid_npu.load_engine(model, profile=prof.source, prefill="auto")
         if has_verify and "npu_verify" not in npu.pipelines and "npu_prefill" in npu.pipelines:
             from .npu_sessions import open_npu_pipeline
             from .qnn import NpuUnavailable
@@ -114,7 +114,7 @@ def calibrate(model: str | None, profile: str, lengths: list[int], decode_steps:
     if npu is not None:
         npu.prefill_mode = "npu"
         rates = []
-        tiled = npu._tiled("npu_prefill")  # tiles read any length; else the NPU stops at T_max
+        tiled = npu.tiled("npu_prefill")  # tiles read any length; else the NPU stops at T_max
         for n in lengths:
             if n > prof.attention_capacity and not tiled:
                 rates.append(None)

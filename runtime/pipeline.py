@@ -14,6 +14,8 @@ from .memory import prepacks
 from .npu_attention import feed_attention
 from .session_options import cpu_inference_session, session_options
 
+CPU_DEVICE = "CPU"  # where a step ran, as stats and npu-bench report it (the NPU's: npu_sessions.NPU_DEVICE)
+
 
 def cpu_graph(graphs: dict, name: str) -> str:
     """The export graph a CPU step `name` runs: prefill and decode share the any-N "cpu" graph

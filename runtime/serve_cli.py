@@ -16,7 +16,7 @@ from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads, human
 from hybrid_npu.errors import UserError
 
 from .drafters import KINDS as DRAFTER_KINDS
-from .engine import PREFILL_MODES
+from .model import PREFILL_MODES
 
 
 def build_parser() -> OneLineParser:
@@ -102,14 +102,14 @@ def main(argv=None) -> int:
             print(f"npu-serve: warning: listening on {a.host} without --api-key: anyone who can reach this machine "
                   "can use the model", file=sys.stderr)
         _check_port(a.host, a.port)
-        engine = open_model(a.model, a)
-        service = ChatService(engine, a.model_name or engine.path.name, a.conversations,
+        model = open_model(a.model, a)
+        service = ChatService(model, a.model_name or model.path.name, a.conversations,
                               False if a.no_speculative else None, max_queue=a.max_queue)
-        limit = a.max_request_bytes or default_max_request_bytes(engine.memory.max_context)
+        limit = a.max_request_bytes or default_max_request_bytes(model.memory.max_context)
         app = create_app(service, a.api_key, a.cors_origin, a.host, a.allowed_host, limit)
-        drafter = "on" if engine.drafter is not None and not a.no_speculative else "off"
-        print(f"npu-serve: {engine.path} as {service.model_id!r} on {base_url(a.host, a.port)} (profile "
-              f"{engine.profile.name}, speculative {drafter}, context {engine.memory.max_context} tokens, requests up "
+        drafter = "on" if model.drafter is not None and not a.no_speculative else "off"
+        print(f"npu-serve: {model.path} as {service.model_id!r} on {base_url(a.host, a.port)} (profile "
+              f"{model.profile.name}, speculative {drafter}, context {model.memory.max_context} tokens, requests up "
               f"to {human_bytes(limit)}, {a.max_queue} at once); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)

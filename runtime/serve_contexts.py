@@ -1,51 +1,47 @@
-"""The conversations a server keeps between requests: the one in the engine, and up to N more held
-aside (Engine.detach), least recently used first out. A request goes to whichever of them keeps the
-most of its rendered prompt (the prefix it shares, or its latest turn checkpoint before the point
-where they part); the others stay as they are.
+"""The conversations a server keeps between requests: up to N contexts on one model, least
+recently used first out. A request goes to whichever of them keeps the most of its rendered prompt
+(the prefix it shares, or its latest turn checkpoint before the point where they part); when none
+keeps any, to an empty one or a new one. The others stay as they are.
 
-Memory: the engine's plan covers one context of max_context tokens. Held contexts take from that,
-so before a request runs, the least recently used ones are dropped until the held bytes plus the
-request's own K/V fit what the plan leaves after weights, GDN state and checkpoints.
+Memory: the model's plan covers all its contexts together (Model.room_for), so before a request
+runs, the least recently used other contexts are dropped until the request's own K/V fits beside
+what the rest hold.
 """
 from __future__ import annotations
 
-from .turn_checkpoints import HeldContext
+from hybrid_npu.errors import UserError
 
 
 class ServedContexts:
-    def __init__(self, engine, limit: int = 4):
-        self.engine, self.limit = engine, max(int(limit), 0)
-        self.held: list[HeldContext] = []  # least recently used first
-
-    def _free_bytes(self) -> int:
-        m = self.engine.memory
-        return m.budget_bytes - m.weights_bytes - m.state_bytes - m.checkpoint_bytes
+    def __init__(self, model, limit: int = 4):
+        self.model, self.limit = model, max(int(limit), 1)
+        self.contexts: list = []  # least recently used first
 
     def held_bytes(self) -> int:
-        return sum(h.nbytes(self.engine.memory.state_bytes) for h in self.held)
+        return sum(c.nbytes() for c in self.contexts)
 
-    def take_best(self, prompt_ids: list[int], need_tokens: int) -> int:
-        """Put the context that keeps the most of prompt_ids into the engine (the engine's own
-        stays when none does better and it keeps some; one that keeps nothing is held aside, since
-        it belongs to another conversation); drop held ones the request's memory needs. Returns how
-        many prompt tokens the engine will keep (Engine.resume then does it)."""
-        live = self.engine.resumable(prompt_ids)
-        scores = [h.resumable(prompt_ids) for h in self.held]
+    def take_best(self, prompt_ids: list[int], need_tokens: int):
+        """The context for a request of prompt_ids that may grow to need_tokens, made the most
+        recently used; others are dropped as its memory needs. Context.resume(prompt_ids) then
+        keeps what it can."""
+        scores = [c.resumable(prompt_ids) for c in self.contexts]
         best = max(range(len(scores)), key=scores.__getitem__, default=None)
-        if best is not None and scores[best] > live:
-            chosen = self.held.pop(best)
-            self._hold(self.engine.detach())
-            self.engine.attach(chosen)
-            live = scores[best]
-        elif live == 0:  # another conversation: keep this one aside instead of starting over on it
-            self._hold(self.engine.detach())
-        per_token = self.engine.memory.kv_bytes_per_token
-        while self.held and self.held_bytes() + need_tokens * per_token > self._free_bytes():
-            self.held.pop(0)
-        return live
+        if best is not None and scores[best] > 0:
+            chosen = self.contexts.pop(best)
+        else:
+            empty = next((i for i, c in enumerate(self.contexts) if not c.context_ids()), None)
+            chosen = self.contexts.pop(empty) if empty is not None else self._new()
+        while self.contexts and chosen.max_context < need_tokens:
+            self.contexts.pop(0)
+        self.contexts.append(chosen)
+        return chosen
 
-    def _hold(self, held: HeldContext) -> None:
-        if self.limit == 0 or not held.tokens:
-            return
-        self.held.append(held)
-        del self.held[: max(len(self.held) - self.limit, 0)]
+    def _new(self):
+        del self.contexts[: max(len(self.contexts) - self.limit + 1, 0)]
+        while True:
+            try:
+                return self.model.new_context()
+            except UserError:  # the plan holds no more: the least recently used goes first
+                if not self.contexts:
+                    raise
+                self.contexts.pop(0)

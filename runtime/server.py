@@ -1,4 +1,4 @@
-"""npu-serve's application: OpenAI-compatible chat completions over one engine.
+"""npu-serve's application: OpenAI-compatible chat completions over one model and its contexts.
 
 One model, one worker thread: requests run in arrival order (a single-thread executor is a FIFO
 queue), so a waiting request's stream starts when its turn comes. Each request renders its
@@ -20,6 +20,7 @@ import json
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,6 +29,8 @@ from hybrid_npu.errors import UserError
 from . import serve_api as api
 from .chat_template import ChatTemplate
 from .conversation import StreamDecoder, checkpoint_marks
+from .generation import stream
+from .sampling import Sampler, check_sampling
 from .serve_contexts import ServedContexts
 from .serve_guard import Guard, HostCheck, too_large_message
 
@@ -61,11 +64,11 @@ def _log(line: str) -> None:
 
 
 class ChatService:
-    def __init__(self, engine, model_id: str, conversations: int = 4, speculative: bool | None = None,
+    def __init__(self, model, model_id: str, conversations: int = 4, speculative: bool | None = None,
                  log: Callable[[str], None] = _log, max_queue: int = DEFAULT_MAX_QUEUE):
-        self.engine, self.model_id, self.speculative, self.log = engine, model_id, speculative, log
-        self.template = ChatTemplate.from_export(engine.path, engine.manifest)
-        self.contexts = ServedContexts(engine, max(conversations - 1, 0))  # the engine holds one more
+        self.model, self.model_id, self.speculative, self.log = model, model_id, speculative, log
+        self.template = ChatTemplate.from_export(model.path, model.manifest)
+        self.contexts = ServedContexts(model, conversations)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-serve")
         self.max_queue, self.active = max_queue, 0
         self._lock = threading.Lock()
@@ -85,7 +88,7 @@ class ChatService:
 
     def longest_token_chars(self) -> int:
         if self._longest_token is None:
-            self._longest_token = max((len(t) for t in self.engine.tokenizer.get_vocab()), default=1)
+            self._longest_token = max((len(t) for t in self.model.tokenizer.get_vocab()), default=1)
         return self._longest_token
 
     def prepare(self, req: api.ChatRequest) -> Prepared:
@@ -95,7 +98,7 @@ class ChatService:
                                         enable_thinking=req.enable_thinking, tools=req.tools)
         except UserError as e:
             raise api.BadRequest(str(e), "messages") from None
-        limit = self.engine.memory.max_context
+        limit = self.model.memory.max_context
         # no token is longer than the vocabulary's longest (x4: normalisation may shrink text), so a
         # prompt this long cannot fit: refused before the tokenizer spends time and memory on it
         at_least = len(text) // (4 * self.longest_token_chars())
@@ -103,7 +106,7 @@ class ChatService:
             raise api.BadRequest(f"this request needs at least {at_least} prompt tokens + {req.max_tokens or 1} to "
                                  f"generate, but the memory plan allows {limit} tokens of context; shorten the "
                                  "conversation or lower max_tokens", "messages", "context_length_exceeded")
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.model.tokenizer.encode(text, add_special_tokens=False).ids
         max_tokens = req.max_tokens or max(min(limit - len(ids), api.DEFAULT_MAX_TOKENS), 1)
         if len(ids) + max_tokens > limit:
             raise api.BadRequest(f"this request needs {len(ids)} prompt tokens + {max_tokens} to generate = "
@@ -113,11 +116,11 @@ class ChatService:
 
     def run(self, p: Prepared, on_delta: Callable[[dict], None] | None, gone: Callable[[], bool]) -> Result:
         """Generate the reply (in the worker thread); on_delta gets stream deltas as they are shown."""
-        req, engine = p.request, self.engine
-        self.contexts.take_best(p.ids, len(p.ids) + p.max_tokens)
-        kept = engine.resume(p.ids)
-        marks = checkpoint_marks(engine, self.template, req.messages, p.ids, req.enable_thinking, req.tools)
-        decoder, shown, stopped = StreamDecoder(engine.tokenizer), ["", ""], [False]
+        req, model = p.request, self.model
+        context = self.contexts.take_best(p.ids, len(p.ids) + p.max_tokens)
+        kept = context.resume(p.ids)
+        marks = checkpoint_marks(model, self.template, req.messages, p.ids, req.enable_thinking, req.tools)
+        decoder, shown, stopped = StreamDecoder(model.tokenizer), ["", ""], [False]
 
         def show(final: bool) -> None:
             reasoning, content, stopped[0] = api.visible(decoder.shown, req.stop, p.thinking, bool(req.tools), final)
@@ -127,14 +130,15 @@ class ChatService:
                         on_delta({key: text[len(shown[i]):]})
                     shown[i] = text
 
-        def on_token(token: int) -> None:
-            decoder.push(token)
-            show(final=False)
-
-        new = engine.generate(p.ids[kept:], p.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                              top_p=req.top_p, seed=req.seed, on_token=on_token, append=True,
-                              speculative=self.speculative, should_stop=lambda: stopped[0] or gone(),
-                              checkpoint_at=marks)
+        check_sampling(p.max_tokens, req.temperature, req.top_k, req.top_p, req.seed)
+        sampler = Sampler.from_defaults(model.sampling_defaults, req.temperature, req.top_k, req.top_p, req.seed)
+        tokens = stream(model, context, p.ids[kept:], sampler, p.max_tokens, append=True, speculative=self.speculative,
+                        should_stop=lambda: stopped[0] or gone(), checkpoint_at=marks)
+        with closing(tokens):
+            for token in tokens:
+                decoder.push(token)
+                show(final=False)
+        new, s = tokens.response.ids, tokens.response.stats
         decoder.flush()
         show(final=True)
         text = decoder.shown
@@ -144,9 +148,8 @@ class ChatService:
             message["reasoning_content"] = shown[0]
         if calls:
             message["tool_calls"] = calls
-        ended = stopped[0] or (new and new[-1] in engine.config.eos_token_ids) or gone()
+        ended = stopped[0] or (new and new[-1] in model.config.eos_token_ids) or gone()
         finish = "tool_calls" if calls else "stop" if ended else "length"
-        s = engine.last_stats
         rate = f"{s['decode_tokens_per_s']:.1f} tok/s" if len(new) > 1 else "n/a tok/s"
         self.log(f"{len(p.ids)} prompt tokens ({kept} cached, {s['prefill_tokens']} prefilled on "
                  f"{s['prefill_device']}), {len(new)} generated at {rate}, finish {finish}"
@@ -162,7 +165,7 @@ def create_app(service: ChatService, api_key: str | None = None, cors_origin: st
     from fastapi.responses import JSONResponse
     from sse_starlette.sse import EventSourceResponse
 
-    limit = max_request_bytes or default_max_request_bytes(service.engine.memory.max_context)
+    limit = max_request_bytes or default_max_request_bytes(service.model.memory.max_context)
     app = FastAPI(title="npu-serve", docs_url=None, redoc_url=None, openapi_url=None)
     if cors_origin:
         from fastapi.middleware.cors import CORSMiddleware

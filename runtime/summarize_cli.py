@@ -23,7 +23,7 @@ from rich.text import Text
 from hybrid_npu.cli_common import OneLineParser, data_output, human_bytes, path_arg, report, stdout_closed
 from hybrid_npu.errors import UserError
 
-from .model_args import add_engine_arguments, check_engine_arguments, open_model
+from .model_args import add_engine_arguments, check_engine_arguments, open_engine
 
 INSTRUCTION = "Summarize the following document.\n\n"
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
 
         check_engine_arguments(a)
         kind = check_document(a.file)  # before the model loads: a bad file fails in a moment
-        engine = open_model(a.model, a, checkpoints=0)  # one prompt: nothing to resume
+        engine = open_engine(a.model, a, checkpoints=0)  # one prompt: nothing to resume
         require_tokenizer(engine)
         if kind == "text":
             check_size(engine, a.file, a.max_new_tokens)

@@ -77,28 +77,18 @@ class Checkpoints:
     def clear(self) -> None:
         self.items = []
 
+    def forget_drafter(self) -> None:
+        """The drafter started over (it served another context): its lengths here no longer hold."""
+        for checkpoint in self.items:
+            checkpoint.drafter_length = None
 
-@dataclass
-class HeldContext:
-    """A conversation's whole context taken out of the engine (Engine.detach), to come back later
-    (Engine.attach): its state, the last reply's final token not yet in it, and its checkpoints."""
-    state: State
-    pending: list[int]
-    checkpoints: list[Checkpoint]
 
-    @property
-    def tokens(self) -> list[int]:
-        return list(self.state.tokens) + list(self.pending)
-
-    def resumable(self, prompt_ids: list[int]) -> int:
-        """How many of prompt_ids this context could keep (Engine.resume's rule, without doing it)."""
-        tokens = self.tokens
-        common = common_prefix(tokens, prompt_ids)
-        if common == len(tokens) < len(prompt_ids):
-            return common
-        limit = min(common, len(prompt_ids) - 1)
-        return max((c.position for c in self.checkpoints if c.position <= limit), default=0)
-
-    def nbytes(self, state_bytes: int) -> int:
-        """What holding it costs: its GDN state and checkpoints' copies, and the K/V rows in use."""
-        return state_bytes * (1 + len(self.checkpoints)) + self.state.kv_bytes_in_use()
+def resumable(tokens: list[int], checkpoints: list[Checkpoint], prompt_ids: list[int]) -> int:
+    """How many of prompt_ids a context of `tokens` with these checkpoints keeps (Context.resume's
+    rule): all of it when it is a prefix of the prompt, else its latest checkpoint before the point
+    where the two part, leaving at least one prompt token to prefill."""
+    common = common_prefix(tokens, prompt_ids)
+    if common == len(tokens) < len(prompt_ids):
+        return common
+    limit = min(common, len(prompt_ids) - 1)
+    return max((c.position for c in checkpoints if c.position <= limit), default=0)

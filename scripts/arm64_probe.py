@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
               "numpy": np.__version__}
     arrays = {}
 
-    embedded = hybrid_npu.load(hybrid_npu.default_model(), threads=THREADS)
+    embedded = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=THREADS)
     template = ChatTemplate.from_export(embedded.path)
     rendered = [template.render(c["messages"], enable_thinking=c["enable_thinking"],
                                 add_generation_prompt=c.get("add_generation_prompt", True))
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     phase("snapshot resumed", t0)
 
     for export_dir in sorted((work / "exports").iterdir()):
-        engine = hybrid_npu.load(export_dir, threads=THREADS)
+        engine = hybrid_npu.load_engine(export_dir, threads=THREADS)
         result[f"export_{export_dir.name}_ids"] = greedy(engine, export_prompt(), EXPORT_STEPS)
         arrays[export_dir.name] = forced_logits(engine, export_prompt(), forced_tokens())
         phase(f"export {export_dir.name}", t0)

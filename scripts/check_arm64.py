@@ -260,7 +260,7 @@ def prepare(work: Path) -> None:
 
     from hybrid_npu.runtime.chat_template import ChatTemplate
 
-    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=THREADS)
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=THREADS)
     text = ChatTemplate.from_export(engine.path).render([{"role": "user", "content": PROMPT}], enable_thinking=False)
     logits = engine.prefill(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     for _ in range(5):

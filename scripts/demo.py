@@ -26,7 +26,7 @@ def main() -> int:
     from hybrid_npu.runtime.chat_template import ChatTemplate
     from hybrid_npu.runtime.conversation import encode_turns
 
-    engine = hybrid_npu.load(hybrid_npu.default_model())
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model())
     ids = encode_turns(engine, ChatTemplate.from_export(engine.path), [{"role": "user", "content": args.prompt}],
                        enable_thinking=False)
     replies, best = {True: set(), False: set()}, {}

@@ -48,7 +48,7 @@ def _verify_session_opened_before_rounds(request, monkeypatch):
     session opens. They wait for it instead, as the engine once did; tests marked
     verify_in_background see the real behaviour."""
     if request.node.get_closest_marker("verify_in_background") is None:
-        from hybrid_npu.runtime.engine import LazyPipelines
+        from hybrid_npu.runtime.lazy_pipelines import LazyPipelines
         monkeypatch.setattr(LazyPipelines, "ready", lambda self, name: True)
 
 

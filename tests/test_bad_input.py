@@ -121,11 +121,11 @@ def test_bad_flags(ckpt, tmp_path, flags, needle):
 
 def test_runtime_refuses_a_non_export(tmp_path, ckpt):
     with pytest.raises(UserError, match="not a hybrid-npu export.*export-hybrid"):
-        hybrid_npu.load(ckpt)
+        hybrid_npu.load_engine(ckpt)
 
 
 def test_runtime_refuses_out_of_vocab_ids(text_tied):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     with pytest.raises(UserError, match="outside the vocabulary"):
         engine.prefill_logits([1, 2, 10**6])
     with pytest.raises(UserError, match="empty prompt"):

@@ -108,7 +108,7 @@ def test_a_mismatch_is_placed_and_judged_a_near_tie_only_within_float_rounding()
             self.steps = []
             return self._logits()
 
-        def _step(self, graph, ids):
+        def step(self, graph, ids):
             assert graph == "decode"
             self.steps += ids
             return self._logits()
@@ -191,7 +191,7 @@ def test_bench_ours_decodes_plainly_on_an_export_with_a_drafter(monkeypatch):
     from bench_cpu import bench_ours
 
     engines, asked = [], []
-    load = hybrid_npu.load
+    load = hybrid_npu.load_engine
 
     def load_and_watch(*args, **kw):
         engine = load(*args, **kw)
@@ -200,7 +200,7 @@ def test_bench_ours_decodes_plainly_on_an_export_with_a_drafter(monkeypatch):
         engines.append(engine)
         return engine
 
-    monkeypatch.setattr(hybrid_npu, "load", load_and_watch)
+    monkeypatch.setattr(hybrid_npu, "load_engine", load_and_watch)
     row = bench_ours(Path(hybrid_npu.default_model()), 1, list(range(40, 72)), 6)
     engine, = engines
     assert engine.drafter is not None and row["decode_tokens_per_s"] > 0

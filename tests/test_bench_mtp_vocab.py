@@ -9,7 +9,7 @@ from bench_mtp_vocab import masked  # noqa: E402
 
 
 def test_the_masked_head_drafts_only_the_kept_tokens_and_is_lossless():
-    engine = hybrid_npu.load(hybrid_npu.default_model(), drafter="mtp")
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), drafter="mtp")
     always = added_token_ids(hybrid_npu.default_model() / "tokenizer.json") | set(engine.config.eos_token_ids)
     keep = choose_draft_vocab(engine.config.vocab_size, 256, always)
     drafted, propose = [], engine.drafter.propose

@@ -69,7 +69,7 @@ def test_calibrate_writes_the_verify_device_per_tree_size_and_the_engine_follows
     assert "emulator" in result["verify_notice"]
     written = load_profile("test-htp")
     assert [e[0] for e in written.verify_by_size] == graphs["cpu_verify"]["sizes"]
-    engine = hybrid_npu.load(text_tied.out, profile="test-htp")
+    engine = hybrid_npu.load_engine(text_tied.out, profile="test-htp")
     for depth in range(1, engine.draft_shape["depth"] + 1):
         device, nodes = engine.verify_graph(depth)
         k = engine.draft_shape["top_k"]
@@ -92,8 +92,8 @@ def test_rounds_verify_where_the_measured_profile_says_per_size(text_tied, htp_p
     rows = tuple((m, "cpu" if m == 2 else "npu", 1000, 500) for m in sizes)
     write_user_profile(load_profile(htp_profile), verify_by_size=rows)
     prompt = [5, 9, 13, 21, 34, 55, 89, 144]
-    plain = hybrid_npu.load(text_tied.out).generate(prompt, 24, stop_at_eos=False)
-    engine = hybrid_npu.load(text_tied.out, profile="test-htp")
+    plain = hybrid_npu.load_engine(text_tied.out).generate(prompt, 24, stop_at_eos=False)
+    engine = hybrid_npu.load_engine(text_tied.out, profile="test-htp")
     assert "npu_verify" in engine.pipelines
     engine.adaptive = False
     for depth, device in ((1, "CPU"), (4, "QNN/HTP")):

@@ -37,7 +37,7 @@ def chat_model(text_tied, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(chat_model):
     """Two engines of the chat model, loaded once: one that chats, one that recomputes from scratch."""
-    return hybrid_npu.load(chat_model), hybrid_npu.load(chat_model)
+    return hybrid_npu.load_engine(chat_model), hybrid_npu.load_engine(chat_model)
 
 
 @pytest.fixture()

@@ -41,7 +41,7 @@ def test_transformers_on_the_rebuilt_target_gives_the_shipped_graphs_logits(rebu
     from transformers import AutoModelForCausalLM
 
     _, target, _ = rebuilt
-    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=1)
     ids = engine.tokenizer.encode(PROMPT).ids
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():

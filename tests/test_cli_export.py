@@ -28,7 +28,7 @@ def test_export_hybrid_cli_then_api(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "exported 6 layers" in proc.stdout
-    engine = hybrid_npu.load(tmp_path / "out")
+    engine = hybrid_npu.load_engine(tmp_path / "out")
     text = "The quick brown fox"
     ids = engine.tokenizer.encode(text).ids
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_summary_table_and_parity_line(text_tied, tmp_path):
     assert f"{manifest['state']['kv_bytes_per_token']:,} B per token" in proc.stdout
     assert manifest["kv_cache"] == DEFAULT_KV_CACHE
     # the context the runtime plans for this export in this budget, as hybrid_npu.load plans it
-    fits = hybrid_npu.load(out, memory=24 * 2**20).memory_report()["max_context"]
+    fits = hybrid_npu.load_engine(out, memory=24 * 2**20).memory_report()["max_context"]
     assert f"max context  {fits:,} tokens in 24.0 MiB" in proc.stdout
     m = re.fullmatch(r"parity: ok \((\d+) source tensors equal weights.bin \(max \|diff\| (\S+)\), prefill vs 5 "
                      r"decode steps: logits max \|diff\| (\S+), state (\S+); relative L2 (\S+) and (\S+)\)",

@@ -25,16 +25,16 @@ def test_a_checkpoint_given_to_chat_suggests_an_export_beside_it_that_the_export
     src, out = shlex.split(command)
     assert src == str(ckpt)
     export(src, out, chunk=8)  # the exporter refuses an output inside its source; this one it takes
-    assert hybrid_npu.load(out).memory_report()["context_tokens"] == 0
+    assert hybrid_npu.load_engine(out).memory_report()["context_tokens"] == 0
 
 
 def test_not_a_checkpoint_either_names_the_export_command(tmp_path):
     with pytest.raises(UserError, match="export-hybrid CHECKPOINT"):
-        hybrid_npu.load(tmp_path)
+        hybrid_npu.load_engine(tmp_path)
 
 
 def test_the_status_line_stats_and_the_conversation_count_the_context_alike(text_tied):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     conv = Conversation(engine)
     reply = conv.reply("def f(x):", Sampling(max_new_tokens=6, temperature=0))
     held = len(engine.context_ids())  # every token of the conversation, the reply's last included

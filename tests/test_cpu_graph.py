@@ -92,7 +92,7 @@ def test_weight_matmuls_sit_outside_the_branches_once_each(int4):
 
 
 def test_engine_opens_one_cpu_session_and_old_exports_still_load(text_tied, int4, tmp_path):
-    engine = hybrid_npu.load(int4)
+    engine = hybrid_npu.load_engine(int4)
     assert engine.pipelines["prefill"] is engine.pipelines["decode"]
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, 3 * CHUNK + 2)]
     tokens = engine.generate(prompt, 6, stop_at_eos=False)
@@ -101,14 +101,14 @@ def test_engine_opens_one_cpu_session_and_old_exports_still_load(text_tied, int4
     manifest = json.loads((old / "model.json").read_text())
     del manifest["graphs"]["cpu"]  # an export from before the any-N graph
     (old / "model.json").write_text(json.dumps(manifest))
-    legacy = hybrid_npu.load(old)
+    legacy = hybrid_npu.load_engine(old)
     assert legacy.pipelines["prefill"] is not legacy.pipelines["decode"]
     packed = manifest["weights"]["prepacked_bytes"]
     assert legacy.memory_report()["weights_bytes"] == engine.memory_report()["weights_bytes"] + packed
     assert len(legacy.generate(prompt, 6, stop_at_eos=False)) == 6
 
     def forced(path):  # logits after the prompt and after each of the any-N graph's tokens
-        e = hybrid_npu.load(path)
+        e = hybrid_npu.load_engine(path)
         return np.stack([np.ravel(e.prefill(prompt))] + [np.ravel(e.decode(t)) for t in tokens[:-1]])
 
     # the same path's logits, not its argmax: the fixture's int4 logits have near-ties (0.016 apart)

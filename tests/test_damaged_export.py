@@ -122,21 +122,21 @@ def test_load_refuses_in_one_line(export_copy, kind):
     damage, needle = DAMAGE[kind]
     damage(export_copy)
     with pytest.raises(UserError) as e:
-        hybrid_npu.load(export_copy)
+        hybrid_npu.load_engine(export_copy)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_flipped_weight_bytes_are_caught_before_any_text(export_copy, text_tied):
-    ref = hybrid_npu.load(text_tied.out).prefill_logits([1, 2, 3])
+    ref = hybrid_npu.load_engine(text_tied.out).prefill_logits([1, 2, 3])
     flip_byte(weights(export_copy), weights(export_copy).stat().st_size // 2)
     # the hash is what catches it: with the check bypassed the same export loads and answers differently
     m = json.loads((export_copy / "model.json").read_text())
     unchecked = export_copy.parent / "unchecked"
     shutil.copytree(export_copy, unchecked)
     edit_manifest(unchecked, lambda m: m.pop("integrity"))
-    assert not np.allclose(hybrid_npu.load(unchecked).prefill_logits([1, 2, 3]), ref)
+    assert not np.allclose(hybrid_npu.load_engine(unchecked).prefill_logits([1, 2, 3]), ref)
     with pytest.raises(UserError, match="does not match the sha256.*damaged"):
-        hybrid_npu.load(export_copy)
+        hybrid_npu.load_engine(export_copy)
     assert m["integrity"]["files"]["graphs/weights.bin"]["bytes"] == weights(export_copy).stat().st_size
 
 
@@ -144,42 +144,42 @@ def test_hash_is_checked_once_then_again_after_any_write(export_copy, monkeypatc
     calls = []
     real = integrity.file_hash
     monkeypatch.setattr(integrity, "file_hash", lambda p, *a: calls.append(Path(p).name) or real(p, *a))
-    hybrid_npu.load(export_copy)
+    hybrid_npu.load_engine(export_copy)
     assert "weights.bin" in calls  # first load of these files: hashed
     calls.clear()
-    hybrid_npu.load(export_copy)
+    hybrid_npu.load_engine(export_copy)
     assert calls == []  # unchanged since: the cache vouches for them
     st = weights(export_copy).stat()
     flip_byte(weights(export_copy), 100)
     os.utime(weights(export_copy), ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the mtime put back
     with pytest.raises(UserError, match="does not match"):
-        hybrid_npu.load(export_copy)
+        hybrid_npu.load_engine(export_copy)
 
 
 def test_verify_always_ignores_the_cache(export_copy, monkeypatch):
-    hybrid_npu.load(export_copy)
+    hybrid_npu.load_engine(export_copy)
     monkeypatch.setenv("HYBRID_NPU_VERIFY", "always")
     calls = []
     real = integrity.file_hash
     monkeypatch.setattr(integrity, "file_hash", lambda p, *a: calls.append(Path(p).name) or real(p, *a))
-    hybrid_npu.load(export_copy)
+    hybrid_npu.load_engine(export_copy)
     assert "weights.bin" in calls
 
 
 def test_export_without_hashes_still_loads_and_answers_the_same(export_copy, text_tied):
     """Exports from before integrity hashes (the manifest has no "integrity"): loaded, size-checked."""
     edit_manifest(export_copy, lambda m: m.pop("integrity"))
-    ref = hybrid_npu.load(text_tied.out).prefill_logits([5, 6, 7])
-    assert np.array_equal(hybrid_npu.load(export_copy).prefill_logits([5, 6, 7]), ref)
+    ref = hybrid_npu.load_engine(text_tied.out).prefill_logits([5, 6, 7])
+    assert np.array_equal(hybrid_npu.load_engine(export_copy).prefill_logits([5, 6, 7]), ref)
     _truncate(export_copy)
     with pytest.raises(UserError, match="truncated or damaged"):
-        hybrid_npu.load(export_copy)
+        hybrid_npu.load_engine(export_copy)
 
 
 def test_a_missing_file_is_named(export_copy):
     (export_copy / "graphs" / "decode.onnx").unlink()
     with pytest.raises(UserError, match="decode.onnx is missing"):
-        hybrid_npu.load(export_copy)
+        hybrid_npu.load_engine(export_copy)
 
 
 def _cli(module, *args):
@@ -211,5 +211,5 @@ def test_damaged_drafter_manifest_is_one_line(tmp_path):
     manifest["integrity"] = integrity.record(out)
     (out / "model.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="drafter .* does not load") as e:
-        hybrid_npu.load(out)
+        hybrid_npu.load_engine(out)
     assert "\n" not in str(e.value)

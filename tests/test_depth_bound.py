@@ -40,7 +40,7 @@ def test_bytes_are_what_a_step_touches(int4_export):
     assert b["embedding_gathered"] == sum(v for k, v in sizes.items() if k in gathered - other) > 0
     assert b["weights_read"] == sum(v for k, v in sizes.items() if k not in gathered - other) > 0
 
-    engine = hybrid_npu.load(int4_export)
+    engine = hybrid_npu.load_engine(int4_export)
     fill_context(engine, context, np.random.default_rng(0))
     engine.decode(1)  # a step at this context: its buffers are the ones the graph reads
     state = engine.state

@@ -17,7 +17,7 @@ class Minimal:
 
 @pytest.fixture(scope="module")
 def engine():
-    return hybrid_npu.load(hybrid_npu.DEFAULT_MODEL)
+    return hybrid_npu.load_engine(hybrid_npu.DEFAULT_MODEL)
 
 
 def test_the_exported_drafter_has_every_capability_and_its_own_taps(engine):
@@ -40,5 +40,5 @@ def test_a_minimal_drafter_has_none_and_a_swap_finds_them_again(engine):
                                                                  "observe": lambda s, t, f: None})()])
 def test_an_object_that_is_no_drafter_is_one_line(obj):
     with pytest.raises(UserError, match="has no .*propose") as e:
-        hybrid_npu.load(hybrid_npu.DEFAULT_MODEL, drafter=obj)
+        hybrid_npu.load_engine(hybrid_npu.DEFAULT_MODEL, drafter=obj)
     assert "\n" not in str(e.value)

@@ -528,7 +528,6 @@ def test_a_look_ahead_kept_dropped_or_failed_leaves_no_trace(plain, window):
     it while the NPU verifies: deeper than any round (its scratch rows grow the buffers), and failing
     part-way (None, never raised). Afterwards the drafter's lasting state and its next trees and
     chains equal those of a drafter that never looked ahead."""
-    from types import SimpleNamespace
 
     from hybrid_npu.runtime import look_ahead
 
@@ -538,10 +537,10 @@ def test_a_look_ahead_kept_dropped_or_failed_leaves_no_trace(plain, window):
     for lo, hi in ((0, 5), (5, 6), (6, 10), (10, 14)):
         a.observe(toks[lo:hi], taps[lo:hi])
         b.observe(toks[lo:hi], taps[lo:hi])
-        chain = look_ahead.draft_ahead(SimpleNamespace(drafter=a), toks[hi - 1], 40, {})
+        chain = look_ahead.draft_ahead(a, toks[hi - 1], 40, {})
         assert len(chain) == 40
         a.step = FailingStep(a.step, at=3)
-        assert look_ahead.draft_ahead(SimpleNamespace(drafter=a), toks[hi - 1], 9, {}) is None
+        assert look_ahead.draft_ahead(a, toks[hi - 1], 9, {}) is None
         a.step = a.step.session
         for x, y in zip(_lasting(a), _lasting(b)):
             np.testing.assert_array_equal(x, y)

@@ -14,7 +14,7 @@ def test_exported_eagle3_drafter_speculates_losslessly(text_tied, tmp_path):
     out = tmp_path / "export"
     export(text_tied.src, out, chunk=CHUNK, drafter=src)
     assert (out / "drafter" / "drafter.json").exists()
-    engine = hybrid_npu.load(out)
+    engine = hybrid_npu.load_engine(out)
     assert engine.drafter is not None
     prompt = [int(t) for t in np.random.default_rng(9).integers(0, 300, CHUNK + 4)]
     plain = engine.generate(prompt, 96, stop_at_eos=False, speculative=False)

@@ -30,7 +30,7 @@ def rendered(engine, text):
 
 
 def test_speculation_on_the_embedded_pair_is_lossless_and_accepts_drafts():
-    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=1)
     assert engine.drafter is not None
     ids = rendered(engine, PROMPT)
     fast = engine.generate(ids, 64, speculative=True, stop_at_eos=False)
@@ -45,7 +45,7 @@ def test_full_depth_rounds_on_the_embedded_pair_verify_the_whole_chain_and_stay_
     """The shipped draft shape is a deep chain because this pair's drafts are accepted far down
     (docs/speculation.md): rounds at the recorded depth verify all its nodes on the
     CPU, emit what plain decoding does, and accept past the depth-6 chain's ceiling of 7 a round."""
-    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=1)
     engine.pipelines["verify"]  # opened now, not still opening while the first steps decode plainly
     depth = engine.draft_shape["depth"]
     assert engine.draft_shape["top_k"] == 1 and engine.verify_graph(depth) == ("CPU", depth + 1)
@@ -63,7 +63,7 @@ def test_npu_chat_one_shot_json_uses_the_embedded_model_by_default():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1)
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=1)
     assert out["token_ids"] == engine.generate(rendered(engine, PROMPT), 24, speculative=False)
     assert out["text"] == engine.tokenizer.decode(out["token_ids"])
     # on by default with a drafter; a 24-token reply in a fresh process may end before the verify
@@ -75,7 +75,7 @@ def test_npu_chat_drafter_mtp_speculates_with_the_shipped_mtp_head():
     """--drafter mtp picks the MTP head the embedded model ships beside EAGLE-3: the reply is the
     plain decode's; an export without one is refused in one line (exit 2)."""
 
-    engine = hybrid_npu.load(hybrid_npu.default_model(), threads=1, drafter="mtp")
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=1, drafter="mtp")
     assert type(engine.drafter).__name__ == "MtpDrafter"
     ids = rendered(engine, PROMPT)
     fast = engine.generate(ids, 48, speculative=True, stop_at_eos=False)

@@ -30,7 +30,7 @@ def test_kv_and_state_bytes_match_transformers_cache(text_tied):
     cache holds after a forward (fp32 model): K/V bytes grow by exactly kv_bytes_per_token per token;
     the state is its recurrent matrices plus K-1 of the K conv columns HF keeps (we keep K-1)."""
     import torch
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     report = engine.memory_report()
     model = text_tied.ref.float().eval()
 
@@ -62,7 +62,7 @@ import numpy as np, psutil, hybrid_npu
 # glibc keeps freed blocks in per-thread heaps (ORT's worker threads each get one): trim them so
 # RSS counts memory in use, not the allocator's cache of transient attention scratch
 trim = lambda: ctypes.CDLL("libc.so.6").malloc_trim(0)
-engine = hybrid_npu.load(sys.argv[1])
+engine = hybrid_npu.load_engine(sys.argv[1])
 ids = [int(t) for t in np.random.default_rng(0).integers(0, 300, 16_384)]
 engine.prefill_logits(ids[:4096])
 trim()
@@ -104,25 +104,25 @@ def test_a_small_float_export_prepacks_and_the_plan_charges_its_copies(text_tied
             return True
 
     ids = [int(t) for t in np.random.default_rng(4).integers(0, 300, CHUNK + 3)]
-    small = hybrid_npu.load(text_tied.out)
+    small = hybrid_npu.load_engine(text_tied.out)
     assert prepacking(small) and small.memory_report()["weights_bytes"] == file + 4 * params
     monkeypatch.setattr(memory, "PREPACK_FLOAT_BELOW_BYTES", file)  # the same export, now "large"
-    large = hybrid_npu.load(text_tied.out)
+    large = hybrid_npu.load_engine(text_tied.out)
     assert not prepacking(large) and large.memory_report()["weights_bytes"] == file
     assert not memory.prepacks(manifest["weights"]) and pipeline.prepacks is memory.prepacks
     np.testing.assert_allclose(small.prefill_logits(ids), large.prefill_logits(ids), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(small._step("decode", [7]), large._step("decode", [7]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(small.step("decode", [7]), large.step("decode", [7]), atol=1e-5, rtol=0)
 
 
 def test_a_context_beyond_the_plan_is_refused_before_any_work(text_tied):
-    engine = hybrid_npu.load(text_tied.out, memory=1)  # a budget nothing fits in
+    engine = hybrid_npu.load_engine(text_tied.out, memory=1)  # a budget nothing fits in
     assert engine.memory_report()["max_context"] == 0
     with pytest.raises(UserError, match="memory plan allows 0"):
         engine.prefill_logits([1, 2, 3])
     assert engine.state.position == 0
     weights = engine.memory_report()["weights_bytes"]
     kv = engine.memory_report()["kv_bytes_per_token"]
-    small = hybrid_npu.load(text_tied.out, memory=weights + engine.memory_report()["state_bytes"]
+    small = hybrid_npu.load_engine(text_tied.out, memory=weights + engine.memory_report()["state_bytes"]
                           + engine.memory_report()["checkpoint_bytes"] + 50 * kv)
     limit = small.memory_report()["max_context"]
     assert limit == 50  # the plan charges a context token its K/V rows, nothing more
@@ -133,18 +133,18 @@ def test_a_context_beyond_the_plan_is_refused_before_any_work(text_tied):
 
 
 def test_appending_a_turn_equals_one_fresh_pass(text_tied):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     first = [int(t) for t in np.random.default_rng(1).integers(0, 300, CHUNK + 2)]
     second = [int(t) for t in np.random.default_rng(2).integers(0, 300, 5)]
     reply = engine.generate(first, 6, stop_at_eos=False)
     cont = engine.generate(second, 6, stop_at_eos=False, append=True)
     assert engine.last_stats["prefill_tokens"] == len(second) + 1  # only the new part (+ the reply's last token)
-    fresh = hybrid_npu.load(text_tied.out).generate(first + reply + second, 6, stop_at_eos=False)
+    fresh = hybrid_npu.load_engine(text_tied.out).generate(first + reply + second, 6, stop_at_eos=False)
     assert cont == fresh
 
 
 def test_progress_callback_reports_every_chunk(text_tied):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     seen = []
     engine.generate(list(range(3 * CHUNK + 1)), 1, progress=lambda done, total: seen.append((done, total)))
     assert seen == [(CHUNK, 3 * CHUNK + 1), (2 * CHUNK, 3 * CHUNK + 1), (3 * CHUNK, 3 * CHUNK + 1),

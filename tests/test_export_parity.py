@@ -24,7 +24,7 @@ def hf_last_logits(model, ids):
 @pytest.mark.parametrize("fixture", ALL_FIXTURES)
 def test_last_token_logits_match_transformers(fixture, request):
     built = request.getfixturevalue(fixture)
-    engine = hybrid_npu.load(built.out)
+    engine = hybrid_npu.load_engine(built.out)
     for n in (1, CHUNK - 1, CHUNK, 3 * CHUNK + 7):
         ids = prompt(n)
         want = hf_last_logits(built.ref, ids)
@@ -37,7 +37,7 @@ def test_last_token_logits_match_transformers(fixture, request):
 @pytest.mark.parametrize("fixture", ["text_tied", "release_untied", "qwen3_next"])
 def test_64_greedy_tokens_equal_transformers_generate(fixture, request):
     built = request.getfixturevalue(fixture)
-    engine = hybrid_npu.load(built.out)
+    engine = hybrid_npu.load_engine(built.out)
     ids = prompt(CHUNK + 3, seed=7)
     with torch.no_grad():
         hf = built.ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
@@ -80,7 +80,7 @@ def assert_state_matches_float64_transformers(engine, ref, ids):
 def test_chunked_state_equals_one_full_pass(text_tied):
     """A 10·C prompt in C-token chunks leaves the state of transformers' single pass over it
     (run in float64: fp32 transformers itself is up to 5e-4 off on some keys of these fixtures)."""
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     ids = prompt(10 * CHUNK, seed=11)
     engine.prefill_logits(ids)
     assert_state_matches_float64_transformers(engine, text_tied.ref, ids)
@@ -89,7 +89,7 @@ def test_chunked_state_equals_one_full_pass(text_tied):
 def test_padding_never_touches_state(text_tied):
     """A ragged prompt (C+3: one chunk and a padded tail) leaves exactly the state of the prompt
     itself, and no padded row is written into the K/V buffers."""
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     ids = prompt(CHUNK + 3, seed=13)
     engine.prefill_logits(ids)
     assert_state_matches_float64_transformers(engine, text_tied.ref, ids)
@@ -131,7 +131,7 @@ def test_fp16_storage_export_matches_fp16_rounded_reference(text_tied, tmp_path)
     from hybrid_npu.export.exporter import export
 
     export(text_tied.src, tmp_path / "fp16", chunk=CHUNK, dtype="fp16", kv_cache="fp32")  # the weights' rounding only
-    engine = hybrid_npu.load(tmp_path / "fp16")
+    engine = hybrid_npu.load_engine(tmp_path / "fp16")
     ref = text_tied.ref
     rounded = {k: (v.half().float() if v.dim() == 2 else v) for k, v in ref.state_dict().items()}
     ref16 = copy.deepcopy(ref)
@@ -143,7 +143,7 @@ def test_fp16_storage_export_matches_fp16_rounded_reference(text_tied, tmp_path)
 
 
 def test_sampling_is_seeded_and_respects_top_k(text_tied):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     ids = prompt(5, seed=19)
     a = engine.generate(ids, 16, temperature=1.0, top_p=0.9, seed=123, stop_at_eos=False)
     b = engine.generate(ids, 16, temperature=1.0, top_p=0.9, seed=123, stop_at_eos=False)

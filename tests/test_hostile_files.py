@@ -217,13 +217,13 @@ def test_integrity_oracle_reads_nothing_outside(export, tmp_path, monkeypatch):
     monkeypatch.setattr(integrity, "file_hash", lambda p, *a: read.append(Path(p)) or real(p, *a))
     edit_manifest(export, lambda m: m["integrity"]["files"].update({str(secret): {"bytes": 1, "sha256": "0" * 64}}))
     with pytest.raises(UserError, match="points outside"):
-        hybrid_npu.load(export)
+        hybrid_npu.load_engine(export)
     assert secret.resolve() not in {p.resolve() for p in read}
 
 
 # ---- 6. /load: the header is checked against the model and the memory plan first ---------------
 LOAD = ("import sys, hybrid_npu\nfrom hybrid_npu.errors import UserError\n"
-        "try:\n    hybrid_npu.load(sys.argv[1], memory=int(sys.argv[3])).load_state(sys.argv[2])\n"
+        "try:\n    hybrid_npu.load_engine(sys.argv[1], memory=int(sys.argv[3])).load_state(sys.argv[2])\n"
         "except UserError as e:\n    print(f'load: error: {e}', file=sys.stderr)\n    sys.exit(2)\n")
 
 
@@ -277,7 +277,7 @@ def test_snapshot_whose_header_lies_about_its_bytes(tmp_path):
 
 
 def test_a_refused_load_keeps_the_conversation(tmp_path):
-    engine = hybrid_npu.load(hybrid_npu.default_model(), checkpoints=0)
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model(), checkpoints=0)
     engine.prefill([1, 2, 3, 4, 5])
     before = (engine.state.position, list(engine.state.tokens))
     i, nkv, hd = _full_layer(engine.path)

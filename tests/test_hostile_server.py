@@ -285,7 +285,7 @@ def test_threads_and_temperature_flags_are_bounded(capsys):
     from hybrid_npu.errors import UserError
 
     with pytest.raises(UserError, match=r"^threads=100000: give 1 to"):  # the API, before any graph opens
-        hybrid_npu.load(hybrid_npu.default_model(), threads=100000)
+        hybrid_npu.load_engine(hybrid_npu.default_model(), threads=100000)
 
 
 # ---------------------------------------------------------------- a client that leaves (defect 4)

@@ -123,7 +123,7 @@ SPIN = ("{%- if messages[-1].content == 'spin' %}{% for i in range(100000) %}{% 
 
 @pytest.fixture(scope="module")
 def engine():
-    return hybrid_npu.load(hybrid_npu.default_model())
+    return hybrid_npu.load_engine(hybrid_npu.default_model())
 
 
 def test_ctrl_c_stops_a_render_in_the_repl_and_keeps_the_conversation(engine):

@@ -179,7 +179,7 @@ BOUND = {"fp32": 1e-4, "fp16": 2e-3, "int8": 2e-2}
 
 @pytest.mark.parametrize("kv", ["fp16", "int8"])
 def test_cache_logits_and_greedy_against_fp32_and_transformers(text_tied, caches, kv):
-    engine, fp32 = hybrid_npu.load(caches[kv]), hybrid_npu.load(caches["fp32"])
+    engine, fp32 = hybrid_npu.load_engine(caches[kv]), hybrid_npu.load_engine(caches["fp32"])
     assert json.loads((caches[kv] / MANIFEST).read_text())["kv_cache"] == kv == engine.kv_cache
     assert next(iter(engine.state.attention.values())).key.dtype == {"fp16": np.float16, "int8": np.int8}[kv]
     for n in (1, CHUNK, 3 * CHUNK + 7, 10 * CHUNK):  # up to 80 rows: past tiles of the CPU graphs' attention
@@ -203,7 +203,7 @@ def test_cache_logits_and_greedy_against_fp32_and_transformers(text_tied, caches
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_plan_charges_a_token_exactly_what_the_cache_holds(caches, kv):
     """The plan's per-token charge, the manifest's, and the bytes the State's arrays grow by per token."""
-    engine = hybrid_npu.load(caches[kv])
+    engine = hybrid_npu.load_engine(caches[kv])
     manifest = json.loads((caches[kv] / MANIFEST).read_text())
     per_token = engine.memory.kv_bytes_per_token
     assert manifest["state"]["kv_bytes_per_token"] == per_token
@@ -223,17 +223,17 @@ def test_an_fp32_snapshot_loads_into_a_narrower_cache(caches, kv, tmp_path):
     """A snapshot of an fp32 cache (the State and save path every snapshot before the option used),
     saved for this export, loads into its fp16 / int8 cache and continues as a fresh prefill does."""
     ids = prompt(2 * CHUNK + 3, seed=11)
-    fp32 = hybrid_npu.load(caches["fp32"])
+    fp32 = hybrid_npu.load_engine(caches["fp32"])
     fp32.prefill(ids)
     assert fp32.state.attention[next(iter(fp32.state.attention))].key.dtype == np.float32
     path = tmp_path / "fp32.safetensors"
     save_state(fp32.state, path, manifest_hash(caches[kv]))
     from safetensors.numpy import load_file
     assert all(t.dtype == np.float32 for name, t in load_file(path).items() if name.startswith("attention."))
-    resumed = hybrid_npu.load(caches[kv])
+    resumed = hybrid_npu.load_engine(caches[kv])
     resumed.load_state(path)
     assert resumed.state.position == len(ids) and resumed.state.tokens == ids
-    fresh = hybrid_npu.load(caches[kv])
+    fresh = hybrid_npu.load_engine(caches[kv])
     fresh.prefill(ids)
     for i, layer in resumed.state.attention.items():  # the rows a fresh run of this cache would hold
         a, b = layer.rows(len(ids)), fresh.state.attention[i].rows(len(ids))
@@ -248,10 +248,10 @@ def test_an_fp32_snapshot_loads_into_a_narrower_cache(caches, kv, tmp_path):
 
 @pytest.mark.parametrize("kv", ["fp16", "int8"])
 def test_a_snapshot_round_trips_in_its_own_dtype(caches, kv, tmp_path):
-    engine = hybrid_npu.load(caches[kv])
+    engine = hybrid_npu.load_engine(caches[kv])
     engine.prefill(prompt(CHUNK + 5, seed=2))
     engine.save_state(tmp_path / "s.safetensors")
-    other = hybrid_npu.load(caches[kv])
+    other = hybrid_npu.load_engine(caches[kv])
     other.load_state(tmp_path / "s.safetensors")
     for i, layer in engine.state.attention.items():
         for a, b in zip(layer.rows(engine.state.position), other.state.attention[i].rows(engine.state.position)):
@@ -274,8 +274,8 @@ def test_an_fp16_cache_feeds_the_npu_parts(caches, htp_profile):
     """The NPU parts read fp32 past K/V; an fp16 cache's rows are widened for them per call
     (runtime/pipeline.py): the HTP prefill then CPU decode gives the CPU-only fp16 engine's tokens."""
     pytest.importorskip("onnxruntime_qnn", reason="the NPU path needs the qnn extra")
-    npu = hybrid_npu.load(caches["fp16"], profile=htp_profile, prefill="npu")
-    cpu = hybrid_npu.load(caches["fp16"])
+    npu = hybrid_npu.load_engine(caches["fp16"], profile=htp_profile, prefill="npu")
+    cpu = hybrid_npu.load_engine(caches["fp16"])
     ids = prompt(4 * CHUNK, seed=5)
     want = cpu.generate(ids, 8, stop_at_eos=False)
     assert npu.generate(ids, 8, stop_at_eos=False) == want

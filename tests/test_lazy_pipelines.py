@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from hybrid_npu.errors import UserError
-from hybrid_npu.runtime.engine import LazyPipelines
+from hybrid_npu.runtime.lazy_pipelines import LazyPipelines
 
 
 def opener(log, gate=None, fail=None):
@@ -47,6 +47,6 @@ def test_a_process_that_exits_right_after_loading_exits_cleanly():
     import subprocess
     import sys
 
-    code = "import hybrid_npu; hybrid_npu.load(hybrid_npu.default_model())"
+    code = "import hybrid_npu; hybrid_npu.load_engine(hybrid_npu.default_model())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-400:]

@@ -87,7 +87,7 @@ def test_the_trimmed_heads_logits_are_the_full_heads_at_its_tokens(trimmed):
 @pytest.mark.parametrize("shape", [{"top_k": 1, "depth": 4, "total_tokens": 4},
                                    {"top_k": 3, "depth": 3, "total_tokens": 12}], ids=["chain", "tree"])
 def test_speculation_with_the_trimmed_head_is_lossless_and_drafts_only_its_tokens(trimmed, shape):
-    engine = hybrid_npu.load(trimmed / "out")
+    engine = hybrid_npu.load_engine(trimmed / "out")
     keep = set(engine.drafter.draft_to_target.tolist())
     drafted = []
     propose = engine.drafter.propose
@@ -123,7 +123,7 @@ def test_a_quantised_export_trims_its_quantised_head_too(trimmed, tmp_path):
     # from plain decoding at near-ties when speculating (README, Limitations), and fp16 rows add ties
     export(trimmed / "hf", tmp_path / "out", chunk=CHUNK, drafter="mtp", mtp_vocab=N_DRAFT, weights="int4",
            block_size=16, kv_cache="fp32")
-    engine = hybrid_npu.load(tmp_path / "out")
+    engine = hybrid_npu.load_engine(tmp_path / "out")
     assert engine.drafter.draft_to_target.tolist()[: N_DRAFT // 2] == list(range(N_DRAFT // 2))
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 300, CHUNK + 5)]
     plain = engine.generate(prompt, 32, stop_at_eos=False, speculative=False)

@@ -21,7 +21,6 @@ from hybrid_npu.export.exporter import export
 from hybrid_npu.export.mtp_drafter import MtpConfig, read_mtp
 from hybrid_npu.export.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
 from hybrid_npu.kernels.attention import MASKED
-from hybrid_npu.runtime.generation import catch_up_drafter
 from hybrid_npu.runtime.mtp import MtpDrafter
 
 
@@ -141,7 +140,7 @@ def test_numpy_reference_matches_transformers_layers(mtp_export):
                                    {"top_k": 3, "depth": 3, "total_tokens": 12}], ids=["chain", "tree"])
 def test_greedy_speculation_with_the_mtp_head_is_the_plain_output(mtp_export, shape):
     root, _ = mtp_export
-    engine = hybrid_npu.load(root / "out")
+    engine = hybrid_npu.load_engine(root / "out")
     assert isinstance(engine.drafter, MtpDrafter)
     assert json.loads((root / "out" / "model.json").read_text())["drafter"]["kind"] == "mtp"
     prompt = [int(t) for t in np.random.default_rng(9).integers(0, 300, 2 * CHUNK + 3)]
@@ -155,12 +154,12 @@ def test_greedy_speculation_with_the_mtp_head_is_the_plain_output(mtp_export, sh
 def test_greedy_speculation_continues_a_conversation(mtp_export):
     """A second turn appended after the first: the drafter's K/V goes on from where it was."""
     root, _ = mtp_export
-    engine = hybrid_npu.load(root / "out")
+    engine = hybrid_npu.load_engine(root / "out")
     engine.adaptive, engine.draft_shape = False, {"top_k": 2, "depth": 3, "total_tokens": 6}
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, CHUNK + 2)]
     spec = engine.generate(prompt, 24, stop_at_eos=False) + engine.generate([8, 9], 40, stop_at_eos=False,
                                                                               append=True)
-    plain_engine = hybrid_npu.load(root / "out")
+    plain_engine = hybrid_npu.load_engine(root / "out")
     plain = plain_engine.generate(prompt, 24, stop_at_eos=False, speculative=False)
     plain += plain_engine.generate([8, 9], 40, stop_at_eos=False, speculative=False, append=True)
     assert spec == plain
@@ -190,11 +189,11 @@ def test_sampled_speculation_with_mtp_trees_has_the_plain_distribution(tiny_voca
     """First two generated tokens over 20,000 seeded runs against the exact plain joint distribution:
     for each first token the MTP head drafts its top-3 tree (depth 2) after it, the target verifies
     it once, and the runs exercise the seeded verify on those trees."""
-    engine = hybrid_npu.load(tiny_vocab_mtp)
+    engine = hybrid_npu.load_engine(tiny_vocab_mtp)
     logits0 = engine.prefill_logits([3, 7, 2, 9, 4])
-    catch_up_drafter(engine)  # the prompt's pairs wait for the drafter's next use: here
+    engine.catch_up_drafter()  # the prompt's pairs wait for the drafter's next use: here
     dr = engine.drafter
-    length, tap = dr.length, engine._tap_pending
+    length, tap = dr.length, engine.tap_pending
 
     def draft(y, p2):
         dr.rewind(length)
@@ -213,7 +212,7 @@ def test_seeded_replies_drafted_with_their_own_noise_have_the_plain_distribution
     from hybrid_npu.runtime.sampling import filtered_probs
 
     runs, prompt = 1200, [3, 7, 2, 9, 4]
-    engine = hybrid_npu.load(tiny_vocab_mtp)
+    engine = hybrid_npu.load_engine(tiny_vocab_mtp)
     p1 = filtered_probs(engine.prefill_logits(prompt), 1.0)
     base, joint = copy.deepcopy(engine.state), np.zeros((V, V))
     for y in range(V):
@@ -246,8 +245,8 @@ def test_a_checkpoint_without_an_mtp_head_is_refused_in_one_line(text_tied, tmp_
 def test_choosing_a_drafter_kind_the_export_does_not_ship_says_so(mtp_export):
     root, _ = mtp_export
     with pytest.raises(UserError, match="ships no eagle3 drafter"):
-        hybrid_npu.load(root / "out", drafter="eagle3")
-    assert isinstance(hybrid_npu.load(root / "out", drafter="mtp").drafter, MtpDrafter)
+        hybrid_npu.load_engine(root / "out", drafter="eagle3")
+    assert isinstance(hybrid_npu.load_engine(root / "out", drafter="mtp").drafter, MtpDrafter)
 
 
 def test_an_export_ships_both_drafters_and_the_kind_is_chosen_at_load(mtp_export, tmp_path):
@@ -264,7 +263,7 @@ def test_an_export_ships_both_drafters_and_the_kind_is_chosen_at_load(mtp_export
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 300, CHUNK + 3)]
     plain = None
     for kind, cls in ((None, Eagle3Drafter), ("eagle3", Eagle3Drafter), ("mtp", MtpDrafter)):
-        engine = hybrid_npu.load(tmp_path / "both", drafter=kind)
+        engine = hybrid_npu.load_engine(tmp_path / "both", drafter=kind)
         assert type(engine.drafter) is cls
         plain = plain or engine.generate(prompt, 40, stop_at_eos=False, speculative=False)
         engine.adaptive = False

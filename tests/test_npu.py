@@ -16,7 +16,7 @@ pytest.importorskip("onnxruntime_qnn", reason="the NPU path needs the qnn extra"
 
 @pytest.fixture(scope="module")
 def npu_engine(text_tied, htp_profile):
-    return hybrid_npu.load(text_tied.out, profile=htp_profile, prefill="npu")
+    return hybrid_npu.load_engine(text_tied.out, profile=htp_profile, prefill="npu")
 
 
 def test_prefill_runs_on_the_htp(npu_engine):
@@ -29,11 +29,11 @@ def test_prefill_runs_on_the_htp(npu_engine):
 def test_npu_prefill_then_cpu_decode_agrees_with_cpu_only(text_tied, npu_engine):
     """8·C tokens prefilled on the HTP (fp16), then 64 greedy CPU decode steps teacher-forced on the
     CPU-only continuation: top-1 agrees at >= 99% of positions; no NaN/Inf anywhere in the state."""
-    cpu = hybrid_npu.load(text_tied.out)
+    cpu = hybrid_npu.load_engine(text_tied.out)
     ids = [int(t) for t in np.random.default_rng(3).integers(0, 300, 8 * CHUNK)]
     want = cpu.generate(ids, 64, stop_at_eos=False)
     logits = npu_engine.prefill_logits(ids)
-    assert npu_engine._prefill_devices == "QNN/HTP"
+    assert npu_engine.prefill_devices == "QNN/HTP"
     for layer in npu_engine.state.gdn.values():
         assert np.isfinite(layer.recurrent).all() and np.isfinite(layer.conv).all()
     for layer in npu_engine.state.attention.values():
@@ -52,7 +52,7 @@ def test_npu_prefill_then_cpu_decode_agrees_with_cpu_only(text_tied, npu_engine)
 def test_the_first_npu_use_says_it_compiles_and_that_it_is_once(text_tied, htp_profile, capsys):
     """An export without context binaries compiles its NPU graphs on first use (minutes on a real
     NPU): one line on stderr says so before it starts, and a second prefill compiles nothing."""
-    engine = hybrid_npu.load(text_tied.out, profile=htp_profile, prefill="npu")
+    engine = hybrid_npu.load_engine(text_tied.out, profile=htp_profile, prefill="npu")
     for _ in range(2):
         engine.generate(list(range(5, 5 + CHUNK + 3)), 2)
         assert engine.last_stats["prefill_device"] == "QNN/HTP"
@@ -61,7 +61,7 @@ def test_the_first_npu_use_says_it_compiles_and_that_it_is_once(text_tied, htp_p
 
 
 def test_prefill_cpu_forces_the_cpu(text_tied, htp_profile):
-    engine = hybrid_npu.load(text_tied.out, profile=htp_profile, prefill="cpu")
+    engine = hybrid_npu.load_engine(text_tied.out, profile=htp_profile, prefill="cpu")
     engine.generate([1, 2, 3], 2)
     assert engine.last_stats["prefill_device"] == "CPU" and "npu_prefill" not in engine.pipelines
 
@@ -71,12 +71,12 @@ def test_no_npu_falls_back_to_cpu_with_one_notice(text_tied, htp_profile, monkey
     monkeypatch.setitem(sys.modules, "onnxruntime_qnn", None)  # import now fails
     qnn.qnn_devices.cache_clear()
     try:
-        engine = hybrid_npu.load(text_tied.out, profile=htp_profile)
+        engine = hybrid_npu.load_engine(text_tied.out, profile=htp_profile)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "onnxruntime-qnn is not installed" in err[0] and "CPU" in err[0], err
         assert engine.generate([1, 2, 3], 2) and engine.last_stats["prefill_device"] == "CPU"
         with pytest.raises(UserError, match="prefill='npu' but onnxruntime-qnn"):
-            hybrid_npu.load(text_tied.out, profile=htp_profile, prefill="npu")
+            hybrid_npu.load_engine(text_tied.out, profile=htp_profile, prefill="npu")
     finally:
         qnn.qnn_devices.cache_clear()
 
@@ -84,7 +84,7 @@ def test_no_npu_falls_back_to_cpu_with_one_notice(text_tied, htp_profile, monkey
 def test_handoff_npu_prefill_cpu_decode_gives_the_cpu_only_greedy_tokens(text_tied, npu_engine):
     """The state moves from the HTP sessions to the CPU decode graph with no re-layout."""
     ids = [int(t) for t in np.random.default_rng(5).integers(0, 300, 3 * CHUNK + 5)]
-    cpu_tokens = hybrid_npu.load(text_tied.out).generate(ids, 32, stop_at_eos=False)
+    cpu_tokens = hybrid_npu.load_engine(text_tied.out).generate(ids, 32, stop_at_eos=False)
     npu_tokens = npu_engine.generate(ids, 32, stop_at_eos=False)
     assert npu_engine.last_stats["prefill_device"] == "QNN/HTP"
     assert npu_tokens == cpu_tokens

@@ -54,7 +54,7 @@ def test_parts_give_the_same_outputs_as_unsplit(split_export):
     layers = [p["layers"] for p in parts]
     # contiguous, a segment that resumes after an attention core starting at the layer the one before ended in
     assert layers[0][0] == 0 and all(a[1] == b[0] + q["after_attention"] for a, b, q in zip(layers, layers[1:], parts[1:]))
-    engine = hybrid_npu.load(out)  # CPU sessions of the whole graph, and the config
+    engine = hybrid_npu.load_engine(out)  # CPU sessions of the whole graph, and the config
     import onnxruntime as ort
     split = Pipeline([ort.InferenceSession(str(out / p["file"]), providers=["CPUExecutionProvider"]) for p in parts],
                      "CPU")
@@ -80,20 +80,20 @@ def test_context_binaries_load_and_match_the_onnx_graphs(split_export, text_tied
     ctx = manifest["npu"]["test-split"]["context"]
     assert ctx["soc_model"] == 60 and ctx["htp_arch"] == 73 and ctx["qnn_version"]
     assert all((out / f).exists() for f in ctx["files"]) and list((out / "ctx" / "test-split").glob("*.bin"))
-    from_ctx = hybrid_npu.load(out, profile=prof, prefill="npu")
+    from_ctx = hybrid_npu.load_engine(out, profile=prof, prefill="npu")
     assert from_ctx.pipelines["npu_prefill"].from_context and len(from_ctx.pipelines["npu_prefill"].sessions) >= 3
     no_ctx = out.parent / "no_ctx"
     shutil.copytree(out, no_ctx, ignore=shutil.ignore_patterns("ctx"))
     m = json.loads((no_ctx / "model.json").read_text())
     m["npu"]["test-split"]["context"] = None
     (no_ctx / "model.json").write_text(json.dumps(m))
-    compiled = hybrid_npu.load(no_ctx, profile=prof, prefill="npu")
+    compiled = hybrid_npu.load_engine(no_ctx, profile=prof, prefill="npu")
     assert not compiled.pipelines["npu_prefill"].from_context
     ids = list(range(7, 7 + 2 * CHUNK + 1))
     a, b = from_ctx.prefill_logits(ids), compiled.prefill_logits(ids)
-    assert from_ctx._prefill_devices == "QNN/HTP"
+    assert from_ctx.prefill_devices == "QNN/HTP"
     np.testing.assert_array_equal(a, b)
-    cpu = hybrid_npu.load(out).prefill_logits(ids)
+    cpu = hybrid_npu.load_engine(out).prefill_logits(ids)
     assert np.abs(a - cpu).max() < 0.05 * np.abs(cpu).max()  # fp16 HTP vs fp32 CPU
 
 
@@ -108,7 +108,7 @@ def test_mismatched_context_is_rebuilt_with_a_message(split_export, tmp_path, ca
     m = json.loads((other / "model.json").read_text())
     m["npu"]["test-split"]["context"]["htp_arch"] = 79
     (other / "model.json").write_text(json.dumps(m))
-    engine = hybrid_npu.load(other, profile=prof, prefill="npu")
+    engine = hybrid_npu.load_engine(other, profile=prof, prefill="npu")
     assert "built for htp_arch 79" in capsys.readouterr().err
     assert not engine.pipelines["npu_prefill"].from_context
     assert np.isfinite(engine.prefill_logits([1, 2, 3])).all()
@@ -119,7 +119,7 @@ def test_truncated_context_is_rebuilt_with_a_message(split_export, tmp_path, cap
     other = _copy_export(out, tmp_path / "trunc")
     binary = next((other / "ctx" / "test-split").glob("*.bin"))
     binary.write_bytes(binary.read_bytes()[: binary.stat().st_size // 3])
-    engine = hybrid_npu.load(other, profile=prof, prefill="npu")
+    engine = hybrid_npu.load_engine(other, profile=prof, prefill="npu")
     err = capsys.readouterr().err
     assert "context binary unusable" in err and "compiling from the ONNX graphs" in err
     assert np.isfinite(engine.prefill_logits([1, 2, 3])).all()
@@ -134,7 +134,7 @@ def test_context_with_flipped_bytes_is_rebuilt_not_trusted(split_export, tmp_pat
     data = bytearray(binary.read_bytes())
     data[len(data) // 2] ^= 0x01
     binary.write_bytes(bytes(data))
-    engine = hybrid_npu.load(other, profile=prof, prefill="npu")
+    engine = hybrid_npu.load_engine(other, profile=prof, prefill="npu")
     err = capsys.readouterr().err
     assert "differs from what the export recorded" in err and "compiling from the ONNX graphs" in err
     assert not engine.pipelines["npu_prefill"].from_context
@@ -143,7 +143,7 @@ def test_context_with_flipped_bytes_is_rebuilt_not_trusted(split_export, tmp_pat
 def test_export_without_the_profiles_graphs_names_the_fix(text_tied, htp_profile, tmp_path):
     prof = derived_profile(htp_profile, tmp_path, "tiny-parts", part_weight_bytes=100_000)
     with pytest.raises(UserError, match=r"re-export with: export-hybrid SOURCE .* --profile tiny-parts"):
-        hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
+        hybrid_npu.load_engine(text_tied.out, profile=prof, prefill="npu")
 
 
 def test_check_npu_cli_reports_every_graph_on_the_htp(split_export):

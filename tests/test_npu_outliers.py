@@ -41,7 +41,7 @@ def outliers(tmp_path_factory):
 
 def test_npu_prefill_with_massive_activations_matches_transformers(outliers, htp_profile):
     path, _, ref = outliers
-    engine = hybrid_npu.load(path, profile=htp_profile, prefill="npu")
+    engine = hybrid_npu.load_engine(path, profile=htp_profile, prefill="npu")
     logits = engine.prefill_logits(PROMPT)
     assert engine.last_stats["prefill_device"] == "QNN/HTP"  # prefill_logits describes itself
     assert engine.last_stats["prefill_tokens"] == len(PROMPT) and engine.last_stats["decode_tokens"] == 0
@@ -60,8 +60,8 @@ def test_npu_prefill_then_cpu_decode_gives_the_cpu_only_greedy_tokens(outliers, 
     error is ~0.08); this prompt's smallest margin over the 32 steps is 0.037."""
     path, _, _ = outliers
     prompt = outlier_prompt(3 * CHUNK + 5, seed=1)
-    cpu_tokens = hybrid_npu.load(path).generate(prompt, 32, stop_at_eos=False)
-    engine = hybrid_npu.load(path, profile=htp_profile, prefill="npu")
+    cpu_tokens = hybrid_npu.load_engine(path).generate(prompt, 32, stop_at_eos=False)
+    engine = hybrid_npu.load_engine(path, profile=htp_profile, prefill="npu")
     assert engine.generate(prompt, 32, stop_at_eos=False) == cpu_tokens
     assert engine.last_stats["prefill_device"] == "QNN/HTP"
 
@@ -73,7 +73,7 @@ def test_npu_verify_with_massive_activations_matches_transformers(outliers, htp_
 
     path, _, ref = outliers
     prof = load_profile(derived_profile(htp_profile, tmp_path, "outlier-verify", verify_device='"npu"'))
-    engine = hybrid_npu.load(path)
+    engine = hybrid_npu.load_engine(path)
     n = engine.manifest.verify.n
     pipe = open_npu_pipeline(path, engine.manifest, prof, "verify")
     (feed, _), = list(calibration_steps(engine.config, PROMPT, n, True, prof.attention_capacity))

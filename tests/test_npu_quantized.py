@@ -96,12 +96,12 @@ def test_qdq_part_quantises_the_linear_layers_and_keeps_the_state_path_float(qdq
 
 def test_qdq_prefill_on_the_htp_follows_the_float_model(qdq8, text_tied, htp_profile):
     out, _ = qdq8
-    npu = hybrid_npu.load(out, profile=htp_profile, prefill="npu")
+    npu = hybrid_npu.load_engine(out, profile=htp_profile, prefill="npu")
     assert npu.pipelines["npu_prefill"].from_context
     ids = _prompt(npu)
     got = npu.prefill_logits(ids)
-    assert npu._prefill_devices == "QNN/HTP"
-    ref = hybrid_npu.load(text_tied.out).prefill_logits(ids)  # fp32, CPU
+    assert npu.prefill_devices == "QNN/HTP"
+    ref = hybrid_npu.load_engine(text_tied.out).prefill_logits(ids)  # fp32, CPU
     # the random tiny fixture amplifies rounding: its CPU int8 export is ~7% of the logit scale off
     # fp32 and fp16 on the HTP ~5%; clipped (badly calibrated) activations land far outside this
     assert np.abs(got - ref).max() < 0.15 * np.abs(ref).max()
@@ -135,7 +135,7 @@ def test_w4a16_keeps_the_head_at_8_bits_and_stays_close(text_tied, htp_profile, 
     # the QDQ part on the CPU EP (the quantiser's own simulation) against the float part, with the
     # CPU's int4 export (MatMulNBits, blocks of 32) as the bar: 4 bits on the random tiny fixture
     # move the logits a lot either way (int4 on the trained model: scripts/bench/eval_quantized.py)
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     from hybrid_npu.runtime.state import State
     from hybrid_npu.runtime.step_inputs import chain_feed
     feed = chain_feed(engine.config, State.fresh(engine.config), _prompt(engine, CHUNK), CHUNK)
@@ -143,7 +143,7 @@ def test_w4a16_keeps_the_head_at_8_bits_and_stays_close(text_tied, htp_profile, 
                 for p in m["npu"]["test-htp"]["parts"]]  # the attention cores between them in fp32 on the host
     q = Pipeline(segments, "CPU").run(feed)
     ref = engine.pipelines["prefill"].run(feed)["logits"][0]
-    cpu4 = hybrid_npu.load(out, prefill="cpu").pipelines["prefill"].run(feed)["logits"][0]
+    cpu4 = hybrid_npu.load_engine(out, prefill="cpu").pipelines["prefill"].run(feed)["logits"][0]
     err, corr = np.abs(q["logits"][0] - ref).max(), np.corrcoef(q["logits"][0], ref)[0, 1]
     assert err <= 1.25 * np.abs(cpu4 - ref).max() and corr >= np.corrcoef(cpu4, ref)[0, 1] - 0.1
 
@@ -162,16 +162,16 @@ def test_matmulnbits_on_the_htp(htp_profile, tmp_path):
     assert m["npu"]["test-htp"]["weights"]["method"] == "nbits"
     _, graph = _initializer_types(_part(out, m))
     assert any(n.op_type == "MatMulNBits" for n in graph.node)
-    npu = hybrid_npu.load(out, profile=htp_profile, prefill="npu")
+    npu = hybrid_npu.load_engine(out, profile=htp_profile, prefill="npu")
     ids = _prompt(npu)
     got = npu.prefill_logits(ids)
-    assert npu._prefill_devices == "QNN/HTP"
+    assert npu.prefill_devices == "QNN/HTP"
     # against fp32: as close as the CPU's int4 export (same weights; the CPU also rounds activations
     # to int8, the HTP keeps them fp16, and this random fixture amplifies either)
     float_out = tmp_path / "float"
     export(src, float_out, chunk=CHUNK)
-    ref = hybrid_npu.load(float_out).prefill_logits(ids)
-    cpu4 = hybrid_npu.load(out, prefill="cpu").prefill_logits(ids)
+    ref = hybrid_npu.load_engine(float_out).prefill_logits(ids)
+    cpu4 = hybrid_npu.load_engine(out, prefill="cpu").prefill_logits(ids)
     assert np.abs(got - ref).max() <= 1.25 * np.abs(cpu4 - ref).max()
     assert np.corrcoef(got, ref)[0, 1] >= np.corrcoef(cpu4, ref)[0, 1] - 0.05
 
@@ -185,7 +185,7 @@ def test_verify_parts_are_calibrated_on_chain_trees(text_tied, htp_profile, cali
                compile_context=False)
     types, _ = _initializer_types(out / m["npu"]["verify-npu"]["verify_parts"][0]["file"])
     assert any(t == TensorProto.INT8 for t in types.values())
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     n = engine.manifest.verify.n
     ids = (_prompt(engine, 10 * CHUNK) * 4)[: 2 * n - 3]  # the second tree is not full
     last = {}

@@ -40,7 +40,7 @@ def test_a_prompt_past_t_max_of_eight_tiles_prefills_only_on_the_htp(tiled, text
     prof = load_profile(htp_profile)
     ids = [int(t) for t in np.random.default_rng(3).integers(0, 300, 8 * prof.attention_tile + 5)]
     assert len(ids) > prof.attention_capacity  # the old T_max design sent the rest to the CPU
-    engine = hybrid_npu.load(tiled, profile=htp_profile, prefill="npu")
+    engine = hybrid_npu.load_engine(tiled, profile=htp_profile, prefill="npu")
     logits = engine.prefill_logits(ids)
     assert engine.last_stats["prefill_device"] == "QNN/HTP"  # every chunk: the devices of all chunks joined
     tiles = engine.pipelines["npu_prefill"].tiled
@@ -48,7 +48,7 @@ def test_a_prompt_past_t_max_of_eight_tiles_prefills_only_on_the_htp(tiled, text
     b, bulk = prof.attention_tile, BULK_TILES * prof.attention_tile  # whole bulk tiles before the chunk, then tiles
     want_calls = sum(n_attn * (pos // bulk + -(-(pos + CHUNK - pos // bulk * bulk) // b)) for pos in range(0, len(ids), CHUNK))
     assert tiles.calls == want_calls
-    cpu = hybrid_npu.load(text_tied.out)
+    cpu = hybrid_npu.load_engine(text_tied.out)
     want_cpu = cpu.prefill_logits(ids)
     with torch.no_grad():
         want_hf = text_tied.ref(torch.tensor([ids])).logits[0, -1].double().numpy()
@@ -69,7 +69,7 @@ def test_massive_activations_stay_within_their_bound_in_tiles(htp_profile, tmp_p
     with torch.no_grad():
         out = model(torch.tensor([prompt]), output_hidden_states=True)
     assert max(float(h.abs().max()) for h in out.hidden_states) >= max(abs(m) for _, m in PLANTED)
-    engine = hybrid_npu.load(tmp_path / "export", profile=htp_profile, prefill="npu")
+    engine = hybrid_npu.load_engine(tmp_path / "export", profile=htp_profile, prefill="npu")
     logits = engine.prefill_logits(prompt)
     assert engine.last_stats["prefill_device"] == "QNN/HTP"
     err = rel_max_error(logits, out.logits[0, -1].double().numpy())
@@ -86,14 +86,14 @@ def test_an_export_without_tiles_names_the_fix(tiled, htp_profile, tmp_path):
     del m["npu"][name]["tile"]
     (other / "model.json").write_text(json.dumps(m))
     with pytest.raises(UserError, match=rf"not attention tiles; re-export with: export-hybrid SOURCE .* --profile {name}"):
-        hybrid_npu.load(other, profile=htp_profile)
+        hybrid_npu.load_engine(other, profile=htp_profile)
 
 
 def test_a_tile_size_the_graphs_cannot_use_names_the_fix(tiled, htp_profile, tmp_path):
     name = load_profile(htp_profile).name
     other = derived_profile(htp_profile, tmp_path, name, attention_tile=32)
     with pytest.raises(UserError, match=r"built for attention_tile = 16, but profile .* says 32; set attention_tile = 16"):
-        hybrid_npu.load(tiled, profile=other)
+        hybrid_npu.load_engine(tiled, profile=other)
 
 
 def test_a_profile_without_a_tile_size_names_the_fix(htp_profile, tmp_path):

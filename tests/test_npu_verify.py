@@ -18,11 +18,11 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def plain(text_tied):
-    return hybrid_npu.load(text_tied.out).generate(PROMPT, NEW, stop_at_eos=False)
+    return hybrid_npu.load_engine(text_tied.out).generate(PROMPT, NEW, stop_at_eos=False)
 
 
 def speculate_on_npu(export_dir, profile, plain):
-    engine = hybrid_npu.load(export_dir, profile=profile, prefill="npu")
+    engine = hybrid_npu.load_engine(export_dir, profile=profile, prefill="npu")
     assert "npu_verify" in engine.pipelines
     engine.drafter = OracleDrafter(320, engine, PROMPT + plain, wrong_rate=0.3, seed=1)
     out = engine.generate(PROMPT, NEW, stop_at_eos=False)
@@ -44,7 +44,7 @@ def test_a_seeded_sampled_reply_verified_on_the_htp_is_plain_sampling(text_tied,
     """A seed pins a sampled reply whatever device verifies (docs/reproducibility.md): rounds verified
     on the HTP emit plain sampling's tokens, drafts right or wrong."""
     prof = derived_profile(htp_profile, tmp_path, "test-npu-verify-sampled", verify_device='"npu"')
-    engine = hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
+    engine = hybrid_npu.load_engine(text_tied.out, profile=prof, prefill="npu")
     settings = dict(temperature=0.8, top_p=0.95, seed=3, stop_at_eos=False)
     want = engine.generate(PROMPT, NEW, speculative=False, **settings)
     engine.drafter = OracleDrafter(320, engine, PROMPT + want, wrong_rate=0.3, seed=1)
@@ -72,8 +72,8 @@ def test_verify_parts_and_contexts_on_the_htp_give_the_plain_greedy_tokens(text_
 def test_a_context_beyond_the_npu_capacity_verifies_on_the_cpu(text_tied, htp_profile, tmp_path):
     """T_max rows are all the NPU graph reads: past them, rounds go to the CPU verify graph."""
     prof = derived_profile(htp_profile, tmp_path, "test-npu-verify-cap", verify_device='"npu"')
-    cpu_plain = hybrid_npu.load(text_tied.out).generate(PROMPT, 100, stop_at_eos=False)
-    engine = hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
+    cpu_plain = hybrid_npu.load_engine(text_tied.out).generate(PROMPT, 100, stop_at_eos=False)
+    engine = hybrid_npu.load_engine(text_tied.out, profile=prof, prefill="npu")
     engine.drafter = OracleDrafter(320, engine, PROMPT + cpu_plain, wrong_rate=0.3, seed=2)
     engine.adaptive = False  # a round every step: where rounds run is the question, not whether they pay
     static = engine.manifest.verify.n
@@ -124,7 +124,7 @@ def test_the_drafter_running_ahead_of_the_htp_keeps_and_drops_drafts_and_the_out
     look-aheads kept, dropped and failed: a dropped or failed one leaves the next round drafting as
     it would without."""
     prof = derived_profile(htp_profile, tmp_path, "test-npu-ahead", verify_device='"npu"')
-    engine = hybrid_npu.load(text_tied.out, profile=prof, prefill="npu")
+    engine = hybrid_npu.load_engine(text_tied.out, profile=prof, prefill="npu")
     # plain decoding after the same (NPU) prefill
     want = engine.generate(PROMPT, LONG, stop_at_eos=False, speculative=False)
     engine.adaptive, engine.look_ahead = False, "npu"
@@ -143,7 +143,7 @@ def test_the_drafter_running_ahead_with_the_cpu_standing_in_for_the_npu_is_plain
     (Seeded rounds verified on the HTP emulator leave plain CPU sampling at fp16 near-ties with or
     without the look-ahead, so the sampled check runs here.)"""
     settings = dict(temperature=0.8, top_p=0.95, seed=5) if sampled else {}
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     want = engine.generate(PROMPT, LONG, stop_at_eos=False, speculative=False, **settings)
     engine.adaptive, engine.look_ahead = False, "always"
     for drafter, kept, dropped in drafters(engine, PROMPT + want):
@@ -155,7 +155,7 @@ def test_the_drafter_running_ahead_with_the_cpu_standing_in_for_the_npu_is_plain
 
 
 def test_no_look_ahead_where_the_cpu_verifies(text_tied):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     want = engine.generate(PROMPT, 24, stop_at_eos=False, speculative=False)
     engine.drafter = OracleDrafter(320, engine, PROMPT + want, seed=1)
     engine.adaptive, engine.look_ahead = False, "npu"

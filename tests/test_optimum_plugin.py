@@ -33,12 +33,12 @@ def test_optimum_cli_export_loads_and_generates(text_tied, tmp_path):
     proc = optimum_cli("export", "hybrid-npu", text_tied.src, out, "--chunk", "8", "--kv-cache", "fp32")
     assert proc.returncode == 0, proc.stderr
     assert "exported 6 layers" in proc.stdout and proc.stdout.splitlines()[-1].startswith("parity: ok")
-    engine = hybrid_npu.load(out)
+    engine = hybrid_npu.load_engine(out)
     ids = [5, 17, 42, 99, 3, 250, 7, 11, 64]
     with torch.no_grad():
         want = text_tied.ref(torch.tensor([ids])).logits[0, -1].numpy()
     assert np.abs(engine.prefill_logits(ids) - want).max() <= 1e-4
-    assert engine.generate(ids, 16) == hybrid_npu.load(text_tied.out).generate(ids, 16)  # = export-hybrid's
+    assert engine.generate(ids, 16) == hybrid_npu.load_engine(text_tied.out).generate(ids, 16)  # = export-hybrid's
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path):

@@ -3,7 +3,7 @@ import hybrid_npu
 
 
 def test_prefill_logits_replaces_the_last_generate_stats(text_tied):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     engine.generate([1, 2, 3], 4, stop_at_eos=False)
     assert engine.last_stats["decode_tokens"] == 4
     ids = list(range(5, 5 + 11))

@@ -160,7 +160,7 @@ def last_logits(model, ids):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_export_equals_transformers_on_the_dequantised_weights(text_tied, quantized, tmp_path, mode):
     manifest = json.loads((quantized / mode / "model.json").read_text())
-    engine = hybrid_npu.load(fp32_compute_copy(quantized / mode, tmp_path / mode))
+    engine = hybrid_npu.load_engine(fp32_compute_copy(quantized / mode, tmp_path / mode))
     ref = fake_quantized_reference(text_tied.ref, manifest["weights"])
     for n in (1, CHUNK, 3 * CHUNK + 7):
         ids = prompt(n)
@@ -175,7 +175,7 @@ def test_export_equals_transformers_on_the_dequantised_weights(text_tied, quanti
 
 def test_untied_head_is_quantised_from_lm_head(text_untied, untied_int4, tmp_path):
     manifest = json.loads((untied_int4 / "model.json").read_text())
-    engine = hybrid_npu.load(fp32_compute_copy(untied_int4, tmp_path / "copy"))
+    engine = hybrid_npu.load_engine(fp32_compute_copy(untied_int4, tmp_path / "copy"))
     ref = fake_quantized_reference(text_untied.ref, manifest["weights"])
     ids = prompt(2 * CHUNK + 1)
     want = last_logits(ref, ids)
@@ -189,7 +189,7 @@ def test_shipped_logits_stay_within_the_weight_rounding_effect(text_tied, quanti
     int8 activation rounding is a second error of at most the int8 weights' size."""
     manifest = json.loads((quantized / mode / "model.json").read_text())
     ref = fake_quantized_reference(text_tied.ref, manifest["weights"])
-    shipped, fp32 = hybrid_npu.load(quantized / mode), hybrid_npu.load(text_tied.out)
+    shipped, fp32 = hybrid_npu.load_engine(quantized / mode), hybrid_npu.load_engine(text_tied.out)
     for n in (1, CHUNK - 1, 3 * CHUNK + 7):
         ids = prompt(n, seed=3)
         base = fp32.prefill_logits(ids)
@@ -202,8 +202,8 @@ def test_int8_decode_mostly_picks_the_fp32_token(text_tied, quantized):
     """Teacher-forced on the fp32 greedy continuation through the decode graph: int8 agrees on most
     next tokens (a free-running comparison diverges for good at the first near-tie)."""
     ids = prompt(CHUNK + 3, seed=11)
-    continuation = hybrid_npu.load(text_tied.out).generate(ids, 32, stop_at_eos=False)
-    engine = hybrid_npu.load(quantized / "int8")
+    continuation = hybrid_npu.load_engine(text_tied.out).generate(ids, 32, stop_at_eos=False)
+    engine = hybrid_npu.load_engine(quantized / "int8")
     logits = engine.prefill_logits(ids)
     agree = 0
     for token in continuation:
@@ -259,7 +259,7 @@ def test_npu_profile_on_a_quantised_export_without_npu_parts_runs_on_the_cpu(qua
     from hybrid_npu.runtime.npu_sessions import open_npu_pipeline
     from hybrid_npu.runtime.qnn import NpuUnavailable
 
-    engine = hybrid_npu.load(quantized / "int8", profile=htp_profile)
+    engine = hybrid_npu.load_engine(quantized / "int8", profile=htp_profile)
     assert "no NPU prefill graphs" in engine.notice and "npu_prefill" not in engine.pipelines
     assert len(engine.generate(prompt(12), 3, stop_at_eos=False)) == 3
     manifest = json.loads((quantized / "int8" / "model.json").read_text())
@@ -272,8 +272,8 @@ def test_verify_graph_runs_quantised(quantized):
     """Speculating with the export's own greedy continuation: the verify graph (MatMulNBits over a
     token tree) accepts it and the output is the plain greedy output."""
     ids = prompt(CHUNK + 5, seed=5)
-    plain = hybrid_npu.load(quantized / "int4").generate(ids, 20, stop_at_eos=False)
-    engine = hybrid_npu.load(quantized / "int4")
+    plain = hybrid_npu.load_engine(quantized / "int4").generate(ids, 20, stop_at_eos=False)
+    engine = hybrid_npu.load_engine(quantized / "int4")
     engine.drafter = ChainDrafter(engine, ids + plain)
     engine.adaptive = False  # a round every step: the acceptance bound must not hang on the policy's timings
     assert engine.generate(ids, 20, stop_at_eos=False) == plain
@@ -347,22 +347,22 @@ def test_memory_plan_charges_the_quantised_weights(text_tied, quantized):
     matrices once speculation runs on the CPU; the same budget holds more context than fp32's."""
     import hybrid_npu
 
-    fp32 = hybrid_npu.load(text_tied.out)
+    fp32 = hybrid_npu.load_engine(text_tied.out)
     budget = fp32.memory_report()["weights_bytes"] + fp32.memory_report()["state_bytes"] + (1 << 20)
     params = json.loads((text_tied.out / "model.json").read_text())["weights"]["params"]
     # a float export this small prepacks (runtime/memory.py): an fp32 copy of its parameters in its one session
     assert fp32.memory_report()["weights_bytes"] == (text_tied.out / "graphs" / "weights.bin").stat().st_size + 4 * params
-    plans = {"float": hybrid_npu.load(text_tied.out, memory=budget).memory_report()["max_context"]}
+    plans = {"float": hybrid_npu.load_engine(text_tied.out, memory=budget).memory_report()["max_context"]}
     for mode in ("int8", "int4"):
         path = quantized / mode
         manifest = json.loads((path / "model.json").read_text())
         packed = manifest["weights"]["prepacked_bytes"]
         assert packed == matmul_nbits_bytes(path / "graphs" / "decode.onnx") > 0
         file = (path / "graphs" / "weights.bin").stat().st_size
-        report = hybrid_npu.load(path, memory=budget).memory_report()
+        report = hybrid_npu.load_engine(path, memory=budget).memory_report()
         assert report["weights_bytes"] == file
         plans[mode] = report["max_context"]
-        speculating = hybrid_npu.load(path, memory=budget, drafter=AnyDrafter()).memory_report()
+        speculating = hybrid_npu.load_engine(path, memory=budget, drafter=AnyDrafter()).memory_report()
         assert speculating["weights_bytes"] == file + packed  # verify: a second CPU session
     assert plans["float"] < plans["int8"] < plans["int4"]
 
@@ -399,7 +399,7 @@ def _eagle3_drafter(tmp_path):
 
 def _assert_rounds_give_the_plain_output(export_dir):
     """A round every step on this export speculates, and emits the target's own greedy tokens."""
-    engine = hybrid_npu.load(export_dir)
+    engine = hybrid_npu.load_engine(export_dir)
     engine.adaptive = False  # a round every step
     ids = prompt(2 * CHUNK + 3, seed=5)
     spec = engine.generate(ids, 32, stop_at_eos=False)

@@ -57,7 +57,7 @@ def hf_greedy(model, ids, n) -> list[int]:
 
 # ---------------------------------------------------------------- tokenizer and stop set
 def test_the_export_tokenizes_as_the_released_qwen35(release):
-    engine = hybrid_npu.load(release.out)
+    engine = hybrid_npu.load_engine(release.out)
     assert engine.tokenizer.encode(INTEGRATION_TEXT, add_special_tokens=False).ids == INTEGRATION_IDS
     assert engine.tokenizer.decode(INTEGRATION_IDS) == INTEGRATION_TEXT
     assert release.hf_tokenizer().encode(INTEGRATION_TEXT, add_special_tokens=False) == INTEGRATION_IDS
@@ -74,7 +74,7 @@ def test_stop_set_is_every_files_eos(release, tmp_path):
     assert set(manifest["config"]["eos_token_ids"]) == want == set(manifest["tokenizer"]["stop_token_ids"])
     assert manifest["tokenizer"]["stop_token_sources"] == {"config.json": [ENDOFTEXT_ID],
                                                            "tokenizer_config.json": [IM_END_ID]}
-    assert set(hybrid_npu.load(release.out).config.eos_token_ids) == want
+    assert set(hybrid_npu.load_engine(release.out).config.eos_token_ids) == want
 
     from transformers import GenerationConfig
 
@@ -139,7 +139,7 @@ def test_tool_calls_round_trip_through_the_template(release):
 
 
 def test_tool_result_turn_renders_as_transformers(release):
-    engine = hybrid_npu.load(release.out)
+    engine = hybrid_npu.load_engine(release.out)
     conv = Conversation(engine, tools=TOOLS)
     conv.reply("Weather in Paris?", Sampling(max_new_tokens=4, speculative=False))
     conv.reply('{"temp": 21}', Sampling(max_new_tokens=4, speculative=False), role="tool")
@@ -159,7 +159,7 @@ def test_each_turn_prefills_only_what_departs_from_the_context(release, think):
     """Four turns with the release template (which drops earlier replies' <think> blocks): each turn
     after the first prefills exactly the tokens from where transformers' render of it parts from
     the context, and its greedy reply equals transformers' greedy continuation of that render."""
-    engine = hybrid_npu.load(release.out)
+    engine = hybrid_npu.load_engine(release.out)
     tok = release.hf_tokenizer()
     conv = Conversation(engine, enable_thinking=think)
     kw = {} if think is None else {"enable_thinking": think}
@@ -177,7 +177,7 @@ def test_each_turn_prefills_only_what_departs_from_the_context(release, think):
 
 
 def test_restored_checkpoint_logits_equal_a_fresh_prefill(release):
-    engine, fresh = hybrid_npu.load(release.out), hybrid_npu.load(release.out)
+    engine, fresh = hybrid_npu.load_engine(release.out), hybrid_npu.load_engine(release.out)
     tok = release.hf_tokenizer()
     conv = Conversation(engine)
     conv.reply(TURNS[0], Sampling(max_new_tokens=5, speculative=False, stop_at_eos=False))
@@ -197,7 +197,7 @@ def test_restored_checkpoint_logits_equal_a_fresh_prefill(release):
 
 
 def test_save_and_load_keep_the_checkpoints_in_a_fresh_process(release, tmp_path):
-    engine = hybrid_npu.load(release.out)
+    engine = hybrid_npu.load_engine(release.out)
     tok = release.hf_tokenizer()
     conv = Conversation(engine)
     sampling = Sampling(max_new_tokens=6, speculative=False, stop_at_eos=False)
@@ -209,7 +209,7 @@ def test_save_and_load_keep_the_checkpoints_in_a_fresh_process(release, tmp_path
     script = textwrap.dedent(f"""
         import json, hybrid_npu
         from hybrid_npu.runtime.conversation import Conversation, Sampling
-        conv = Conversation(hybrid_npu.load({str(release.out)!r}))
+        conv = Conversation(hybrid_npu.load_engine({str(release.out)!r}))
         conv.load({str(tmp_path / "chat.state")!r})
         r = conv.reply({TURNS[2]!r}, Sampling(max_new_tokens=6, speculative=False, stop_at_eos=False))
         print(json.dumps({{"ids": r.token_ids, "prefill": r.stats["prefill_tokens"], "kept": r.reused_tokens}}))
@@ -227,7 +227,7 @@ def test_save_and_load_keep_the_checkpoints_in_a_fresh_process(release, tmp_path
 def test_speculative_turns_resume_from_checkpoints_losslessly():
     """The embedded model and its EAGLE-3 drafter: a turn that restores a checkpoint rewinds the
     drafter too, and the speculative reply equals plain greedy decoding of the same prompt."""
-    engine, plain = hybrid_npu.load(hybrid_npu.default_model()), hybrid_npu.load(hybrid_npu.default_model())
+    engine, plain = hybrid_npu.load_engine(hybrid_npu.default_model()), hybrid_npu.load_engine(hybrid_npu.default_model())
     assert engine.drafter is not None
     conv = Conversation(engine)
     for user in ("def add(a, b):", "Now a function that multiplies."):
@@ -243,7 +243,7 @@ def test_generation_config_gives_the_sampling_defaults(release, sampling_release
     from transformers import GenerationConfig
 
     gen = GenerationConfig.from_pretrained(sampling_release.src)
-    engine = hybrid_npu.load(sampling_release.out)
+    engine = hybrid_npu.load_engine(sampling_release.out)
     assert engine.sampling_defaults == {"temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
     prompt = hf_prompt(release.hf_tokenizer(), [{"role": "user", "content": "Hi"}])
     by_default = engine.generate(prompt, 8, seed=3, stop_at_eos=False, speculative=False)
@@ -267,7 +267,7 @@ def build_help() -> str:
 def test_exports_and_snapshots_get_the_users_permissions(release, tmp_path):
     mask = os.umask(0o022)
     try:
-        conv = Conversation(hybrid_npu.load(release.out))
+        conv = Conversation(hybrid_npu.load_engine(release.out))
         conv.reply("Hi", Sampling(max_new_tokens=2, speculative=False))
         conv.save(tmp_path / "chat.state")
         assert (tmp_path / "chat.state").stat().st_mode & 0o777 == 0o644
@@ -279,7 +279,7 @@ def test_exports_and_snapshots_get_the_users_permissions(release, tmp_path):
 def test_one_token_reply_reports_no_rate(release):
     from hybrid_npu.runtime.chat_repl import status_line
 
-    conv = Conversation(hybrid_npu.load(release.out))
+    conv = Conversation(hybrid_npu.load_engine(release.out))
     line = status_line(conv.reply("Hi", Sampling(max_new_tokens=1, speculative=False)), conv)
     assert "decode 1 tok n/a tok/s" in line
 
@@ -317,7 +317,7 @@ def test_repl_shows_tool_calls_and_sends_tool_results(release, monkeypatch):
     from hybrid_npu.runtime.chat_repl import Repl
     from hybrid_npu.runtime.conversation import Reply
 
-    conv = Conversation(hybrid_npu.load(release.out), tools=TOOLS)
+    conv = Conversation(hybrid_npu.load_engine(release.out), tools=TOOLS)
     out = io.StringIO()
     repl = Repl(conv, Sampling(max_new_tokens=3, speculative=False), out=out)
     repl.handle("Weather in Paris?")

@@ -14,7 +14,6 @@ import fixtures
 import hybrid_npu
 from hybrid_npu.export.exporter import export
 from hybrid_npu.runtime.conversation import Conversation, Sampling
-from hybrid_npu.runtime.generation import catch_up_drafter
 from hybrid_npu.runtime.mtp import MtpDrafter
 
 from conftest import CHUNK
@@ -44,14 +43,14 @@ def release_mtp(release, tmp_path_factory):
 def drafts_of(engine, depth: int = 4) -> tuple[list[int], np.ndarray]:
     """What the engine's drafter would draft now under the pending token: a depth-`depth` chain and
     its first level's logits, after it is shown the pairs still waiting in the feed."""
-    catch_up_drafter(engine)
-    tokens, _ = engine.drafter.propose(engine._pending[-1], top_k=1, depth=depth, total_tokens=depth)
+    engine.catch_up_drafter()
+    tokens, _ = engine.drafter.propose(engine.pending[-1], top_k=1, depth=depth, total_tokens=depth)
     return tokens, np.array(engine.drafter._logits)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_speculative_chat_turns_are_the_plain_ones_and_the_drafter_keeps_step(release_mtp, shape):
-    spec_engine, plain_engine = hybrid_npu.load(release_mtp), hybrid_npu.load(release_mtp)
+    spec_engine, plain_engine = hybrid_npu.load_engine(release_mtp), hybrid_npu.load_engine(release_mtp)
     assert isinstance(spec_engine.drafter, MtpDrafter)
     # the head drafts 32,768 tokens: the chat's added ones, the sample's (Chinese ones included, which
     # id order would have cut: they lie above 95,000), then the lowest ids
@@ -72,11 +71,11 @@ def test_speculative_chat_turns_are_the_plain_ones_and_the_drafter_keeps_step(re
         assert got.stats["rounds"] >= 3, got.stats
         rewound |= 0 < got.reused_tokens < len(context)  # cut back to a checkpoint, not only appended to
         # a fresh engine shown the whole conversation at once: its drafter drafts the same
-        fresh = hybrid_npu.load(release_mtp)
+        fresh = hybrid_npu.load_engine(release_mtp)
         ids = spec_engine.context_ids()
         fresh.prefill(ids[:-1])  # (the last token's feature waits for the token after it, as after a reply)
-        fresh.drafter_feed.add(ids[-1:], fresh._tap_pending[None])
-        fresh._pending, fresh._tap_pending = ids[-1:], None
+        fresh.drafter_feed.add(ids[-1:], fresh.tap_pending[None])
+        fresh.pending, fresh.tap_pending = ids[-1:], None
         tokens, logits = drafts_of(spec_engine)
         fresh_tokens, fresh_logits = drafts_of(fresh)
         assert spec_engine.drafter.length == fresh.drafter.length == len(ids) - 1

@@ -69,7 +69,7 @@ def test_repl_save_on_a_full_disk_or_a_long_name_says_why_and_carries_on(text_ti
         leave(child, "exit")
         assert "Traceback" not in child.before
 
-        engine = hybrid_npu.load(text_tied.out)
+        engine = hybrid_npu.load_engine(text_tied.out)
         earlier, later = Conversation(engine), Conversation(engine)
         earlier.load(disk / "chat.state")  # the snapshot saved before the disk filled is intact
         assert [m["content"] for m in earlier.messages if m["role"] == "user"] == ["Hello there"]
@@ -80,7 +80,7 @@ def test_repl_save_on_a_full_disk_or_a_long_name_says_why_and_carries_on(text_ti
 
 
 def test_failed_save_is_one_line_and_keeps_the_previous_file(text_tied, tmp_path):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     conv = Conversation(engine)
     conv.reply("Hello", Sampling(max_new_tokens=3))
     with pytest.raises(UserError) as err:
@@ -101,7 +101,7 @@ import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.runtime.conversation import Conversation, Sampling
 model, target, word, n, flags = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5])
-conv = Conversation(hybrid_npu.load(model))
+conv = Conversation(hybrid_npu.load_engine(model))
 conv.reply(f"{word} {word} {word}", Sampling(max_new_tokens=2 + len(word) % 3, stop_at_eos=False))
 (flags / f"ready.{word}").touch()
 while not (flags / "go").exists():
@@ -123,7 +123,7 @@ def test_concurrent_saves_never_give_a_reader_a_mismatched_pair(text_tied, tmp_p
     flags.mkdir()
     writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(text_tied.out), str(target), w, str(n), str(flags)],
                                 stderr=subprocess.PIPE, text=True) for w in words]
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     deadline = time.monotonic() + 120
     while not all((flags / f"ready.{w}").exists() for w in words):
         assert time.monotonic() < deadline and all(p.poll() is None for p in writers), "a writer did not start"
@@ -171,7 +171,7 @@ def test_bad_sampling_flags_are_one_line_exit_2(text_tied, tmp_path, cli, flags,
     ({"seed": -1}, "seed=-1"),
 ])
 def test_the_api_validates_as_the_clis_do(text_tied, kw, needle):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     args = {"max_new_tokens": 4, **kw}
     with pytest.raises(UserError) as err:
         engine.generate([1, 2, 3], **args)
@@ -204,11 +204,11 @@ def _budget(plan, max_context: int) -> int:
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_generation_stops_at_the_plans_limit(speculative):
     model = hybrid_npu.default_model()  # it has a drafter (verify trees of 16 nodes)
-    reference = hybrid_npu.load(model)
+    reference = hybrid_npu.load_engine(model)
     prompt = reference.tokenizer.encode("def parse(text):\n").ids
     room = 40
     limit = len(prompt) + room
-    engine = hybrid_npu.load(model, memory=_budget(reference.memory, limit))
+    engine = hybrid_npu.load_engine(model, memory=_budget(reference.memory, limit))
     assert engine.memory_report()["max_context"] == limit
     new = engine.generate(prompt, 5000, stop_at_eos=False, speculative=speculative)
     assert len(new) == room and len(engine.context_ids()) == limit  # stopped at the plan, not at 5000
@@ -223,8 +223,8 @@ def test_generation_stops_at_the_plans_limit(speculative):
 
 
 def test_a_prompt_that_fills_the_plan_leaves_no_room_and_is_refused(text_tied):
-    plan = hybrid_npu.load(text_tied.out).memory
-    engine = hybrid_npu.load(text_tied.out, memory=_budget(plan, 12))
+    plan = hybrid_npu.load_engine(text_tied.out).memory
+    engine = hybrid_npu.load_engine(text_tied.out, memory=_budget(plan, 12))
     with pytest.raises(UserError, match="needs 13 tokens of context"):
         engine.generate(list(range(12)), 4)
     assert engine.generate(list(range(11)), 4, stop_at_eos=False) and len(engine.context_ids()) == 12
@@ -399,13 +399,14 @@ def test_tiny_memory_budget_is_shown_in_binary_units(text_tied, capsys):
 def test_readme_python_example_runs_and_its_next_turn_continues_the_reply(tmp_path, monkeypatch):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = readme.split("```python\n")[1:]
-    example = next(b.split("```")[0] for b in blocks if "prefill_logits" in b)
+    example = next(b.split("```")[0] for b in blocks if "hybrid_npu.stream" in b)
     monkeypatch.chdir(tmp_path)  # it writes chat.state
     namespace: dict = {}
     exec(example.replace('"./qwen35-0.8b"', repr(str(hybrid_npu.default_model()))), namespace)
-    engine, ids, new_ids, more = (namespace[k] for k in ("engine", "ids", "new_ids", "more"))
-    turn = engine.tokenizer.encode(" and then").ids
-    # the next turn continues "Hello" + the reply, not "Hello" alone (prefill_logits resets the context)
-    assert engine.context_ids() == ids + new_ids + turn + more
-    fresh = hybrid_npu.load(hybrid_npu.default_model())
+    model, ctx, ids, more = (namespace[k] for k in ("model", "ctx", "ids", "more"))
+    new_ids = namespace["r"].ids
+    turn = model.tokenizer.encode(" and then").ids
+    # the next turn continues "Hello" + the reply, not "Hello" alone
+    assert ctx.context_ids() == ids + new_ids + turn + more
+    fresh = hybrid_npu.load_engine(hybrid_npu.default_model())
     assert fresh.generate(ids + new_ids + turn, 32) == more  # greedy: the same as one fresh pass over it all

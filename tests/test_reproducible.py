@@ -23,7 +23,7 @@ RUNS = 20
 
 @pytest.fixture(scope="module")
 def engines():
-    return {kind: hybrid_npu.load(hybrid_npu.DEFAULT_MODEL, drafter=kind) for kind in ("eagle3", "mtp")}
+    return {kind: hybrid_npu.load_engine(hybrid_npu.DEFAULT_MODEL, drafter=kind) for kind in ("eagle3", "mtp")}
 
 
 def reference_reply(engine, ids, n, seed, temperature, top_k, top_p):

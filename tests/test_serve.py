@@ -174,7 +174,7 @@ def npu_chat_messages(messages, n):
     """A fresh engine's greedy reply to these messages (the reference for the server's)."""
     from hybrid_npu.runtime.conversation import Conversation, Sampling
 
-    conv = Conversation(hybrid_npu.load(hybrid_npu.default_model()))
+    conv = Conversation(hybrid_npu.load_engine(hybrid_npu.default_model()))
     conv.messages = list(messages[:-1])
     return conv.reply(messages[-1]["content"], Sampling(max_new_tokens=n, speculative=False)).text
 

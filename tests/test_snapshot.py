@@ -9,7 +9,7 @@ from conftest import CHUNK
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.runtime import snapshot
-from hybrid_npu.runtime.engine import manifest_hash
+from hybrid_npu.format import manifest_hash
 from hybrid_npu.runtime.snapshot import FORMAT, load_state
 from hybrid_npu.runtime.state import KV_BLOCK
 
@@ -57,7 +57,7 @@ def _one_line(err):
 @pytest.fixture(scope="module")
 def saved(text_tied, tmp_path_factory):
     """Engine A: prompt of 2C+3 tokens, 5 greedy decode steps, saved right after the last fed token."""
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     logits = engine.prefill(_prompt(engine, 2 * CHUNK + 3))
     for _ in range(5):
         logits = engine.decode(int(np.argmax(logits)))
@@ -68,7 +68,7 @@ def saved(text_tied, tmp_path_factory):
 
 def test_resume_equals_never_stopping(text_tied, saved):
     a, path, next_token, at_save = saved
-    b = hybrid_npu.load(text_tied.out)
+    b = hybrid_npu.load_engine(text_tied.out)
     b.load_state(path)
     _assert_same_state(at_save, b.state)           # the file holds the state exactly
     assert b.state.position == 2 * CHUNK + 3 + 5
@@ -83,10 +83,10 @@ def test_resume_past_a_kv_block(text_tied, tmp_path):
     """A context longer than one K/V block: the loader grows the buffers to hold it. The capacity
     may differ from the saving engine's (it depends on growth history); the masked rows past the
     position do not change the result."""
-    a = hybrid_npu.load(text_tied.out)
+    a = hybrid_npu.load_engine(text_tied.out)
     a.prefill(_prompt(a, KV_BLOCK + 2 * CHUNK + 1, seed=1))
     a.save_state(tmp_path / "long.state")
-    b = hybrid_npu.load(text_tied.out)
+    b = hybrid_npu.load_engine(text_tied.out)
     b.load_state(tmp_path / "long.state")
     _assert_same_state(a.state, b.state, same_capacity=False)
     assert b.state.capacity > KV_BLOCK
@@ -94,9 +94,9 @@ def test_resume_past_a_kv_block(text_tied, tmp_path):
 
 
 def test_empty_state_round_trips(text_tied, tmp_path):
-    a = hybrid_npu.load(text_tied.out)
+    a = hybrid_npu.load_engine(text_tied.out)
     a.save_state(tmp_path / "empty.state")
-    b = hybrid_npu.load(text_tied.out)
+    b = hybrid_npu.load_engine(text_tied.out)
     b.prefill([1, 2, 3])
     b.load_state(tmp_path / "empty.state")
     _assert_same_state(a.state, b.state)
@@ -109,7 +109,7 @@ def test_another_model_refused(text_tied, saved, tmp_path):
 
     fixtures.write_text_checkpoint(tmp_path / "hf2", seed=7)
     export(tmp_path / "hf2", tmp_path / "out2", chunk=CHUNK)
-    other = hybrid_npu.load(tmp_path / "out2")
+    other = hybrid_npu.load_engine(tmp_path / "out2")
     assert manifest_hash(tmp_path / "out2") != manifest_hash(text_tied.out)
     with pytest.raises(UserError) as err:
         other.load_state(saved[1])
@@ -119,7 +119,7 @@ def test_another_model_refused(text_tied, saved, tmp_path):
 
 
 def test_missing_file_refused(text_tied, tmp_path):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     with pytest.raises(UserError) as err:
         engine.load_state(tmp_path / "nope.state")
     assert "no such file" in _one_line(err)
@@ -131,7 +131,7 @@ def test_truncated_file_refused(text_tied, saved, tmp_path, keep):
     cut = tmp_path / "cut.state"
     cut.write_bytes(data[:keep] if keep >= 0 else data[:keep])
     with pytest.raises(UserError) as err:
-        load_state(cut, hybrid_npu.load(text_tied.out).config, manifest_hash(text_tied.out), KV_BLOCK)
+        load_state(cut, hybrid_npu.load_engine(text_tied.out).config, manifest_hash(text_tied.out), KV_BLOCK)
     assert "not a readable safetensors file" in _one_line(err)
 
 
@@ -147,7 +147,7 @@ def test_altered_file_refused(text_tied, saved, tmp_path):
     bad = tmp_path / "bad.state"
     bad.write_bytes(bytes(data))
     with pytest.raises(UserError) as err:
-        hybrid_npu.load(text_tied.out).load_state(bad)
+        hybrid_npu.load_engine(text_tied.out).load_state(bad)
     assert "altered or damaged: checksum mismatch" in _one_line(err)
 
 
@@ -170,13 +170,13 @@ def _rewrite(src, dst, edit_tensors=None, edit_meta=None):
 def test_other_format_refused(text_tied, saved, tmp_path):
     _rewrite(saved[1], tmp_path / "f.state", edit_meta=lambda m: m.update(format="hybrid-npu-state/0"))
     with pytest.raises(UserError) as err:
-        hybrid_npu.load(text_tied.out).load_state(tmp_path / "f.state")
+        hybrid_npu.load_engine(text_tied.out).load_state(tmp_path / "f.state")
     msg = _one_line(err)
     assert "hybrid-npu-state/0" in msg and FORMAT in msg
 
 
 def test_shape_mismatch_names_tensor_and_shapes(text_tied, saved, tmp_path):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     i = engine.config.linear_layers[0]
     name = f"gdn.{i}.conv"
     want = list(engine.state.gdn[i].conv.shape)
@@ -199,7 +199,7 @@ def test_shape_mismatch_names_tensor_and_shapes(text_tied, saved, tmp_path):
 def test_save_is_atomic_and_leaves_no_temp_files(text_tied, tmp_path, monkeypatch):
     import safetensors.numpy
 
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     engine.prefill(_prompt(engine, CHUNK + 2))
     path = tmp_path / "chat.state"
     engine.save_state(path)

@@ -470,7 +470,7 @@ def test_a_far_context_judges_by_its_own_guesses():
 def test_no_drafter_call_while_no_round_could_pay(eagle3_export):
     """A reply the policy decodes plainly because no round could pay runs the drafter not at all: no
     catch-up at the end of the prefill, no guesses; the pairs wait in the feed, the output is plain."""
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, 20)]
 
     class Hopeless(Scripted):
@@ -483,7 +483,7 @@ def test_no_drafter_call_while_no_round_could_pay(eagle3_export):
         real = getattr(engine.drafter, name)
         setattr(engine.drafter, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     out = engine.generate(prompt, 70, stop_at_eos=False)
-    assert out == hybrid_npu.load(eagle3_export).generate(prompt, 70, stop_at_eos=False, speculative=False)
+    assert out == hybrid_npu.load_engine(eagle3_export).generate(prompt, 70, stop_at_eos=False, speculative=False)
     assert calls == [] and engine.last_stats["rounds"] == 0
     assert len(engine.drafter_feed) >= 19 + 69  # the prompt's pairs and the reply's, waiting
 
@@ -491,7 +491,7 @@ def test_no_drafter_call_while_no_round_could_pay(eagle3_export):
 def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
     """The guesses the catch-up scores are the drafter's own: one position at a time, guess() before
     each token, on a second drafter fed the same pairs."""
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, 20)]
     scored = []
 
@@ -510,15 +510,15 @@ def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
 
     engine.drafter.observe = observe
     out = engine.generate(prompt, 40, stop_at_eos=False)
-    assert out == hybrid_npu.load(eagle3_export).generate(prompt, 40, stop_at_eos=False, speculative=False)
-    policy = generation.policy_for(engine)
+    assert out == hybrid_npu.load_engine(eagle3_export).generate(prompt, 40, stop_at_eos=False, speculative=False)
+    policy = generation.policy_for(engine.model, engine.context)
     k = policy.guesses_per_catch_up
     # the prompt's 19 pairs at the end of the prefill; 39 plain tokens: a catch-up at 32 (its last k
     # scored) with the first token's pair before them; the last 7 wait for the drafter's next use,
     # here a catch-up asked for (all 7 scored)
     assert [(len(t), g) for t, _, g in pairs] == [(19, 0), (33, k + 1)] and len(scored) == k
     assert len(policy.estimates.guess_cost) == 1 and policy.estimates.guess_cost[0] > 0  # the guess call's cost, for its budget
-    policy.record_guesses(generation.catch_up_drafter(engine, policy.guesses_per_catch_up))
+    policy.record_guesses(engine.catch_up_drafter(policy.guesses_per_catch_up))
     assert [(len(t), g) for t, _, g in pairs][2:] == [(7, 7)] and len(scored) == k + 7
     from hybrid_npu.runtime.eagle3 import Eagle3Drafter
     ref, hits = Eagle3Drafter(eagle3_export / "drafter"), []
@@ -556,7 +556,7 @@ def eagle3_export(text_tied, tmp_path_factory):
 
 
 def test_switching_between_plain_steps_and_rounds_keeps_the_output_and_the_drafter(eagle3_export):
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     prompt = [int(t) for t in np.random.default_rng(9).integers(0, 300, CHUNK + 4)]
     plain = engine.generate(prompt, 96, stop_at_eos=False, speculative=False)
     engine.make_policy = lambda e: Scripted(CYCLE)
@@ -566,12 +566,12 @@ def test_switching_between_plain_steps_and_rounds_keeps_the_output_and_the_draft
     assert s["rounds"] > 0 and s["plain_steps"] > 0
     # the drafter saw every (taps, token) pair once, in order: its K/V equals an always-speculating run's
     # (once shown the last plain steps' pairs, which wait for its next use)
-    generation.catch_up_drafter(engine)
+    engine.catch_up_drafter()
     switched = (engine.drafter.length, engine.drafter.key[:, : engine.drafter.length].copy())
     engine.adaptive = False
     assert engine.generate(prompt, 96, stop_at_eos=False) == plain
     assert engine.last_stats["plain_steps"] == 0
-    generation.catch_up_drafter(engine)
+    engine.catch_up_drafter()
     assert engine.drafter.length == switched[0]
     ref = engine.drafter.key[:, : switched[0]]
     assert np.abs(switched[1] - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())  # verify vs decode taps
@@ -582,7 +582,7 @@ def test_random_mixes_of_plain_steps_rounds_and_guesses_across_a_kv_block_keep_t
     (the prompt ends 10 tokens before a block boundary)."""
     from hybrid_npu.runtime.state import KV_BLOCK
 
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     prompt = [int(t) for t in np.random.default_rng(11).integers(0, 300, KV_BLOCK - 10)]
     plain = engine.generate(prompt, 48, stop_at_eos=False, speculative=False)
     for seed in range(4):
@@ -596,7 +596,7 @@ def test_a_long_prompt_is_observed_only_where_the_drafter_reads_it(eagle3_export
     """Of a prompt longer than the drafter's context_rows, only the last ones are observed (the rest
     skipped, runtime/drafter_feed.py), when the first round needs the drafter; the drafter then
     proposes what one shown every pair proposes, and the output is the plain one."""
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     keep = engine.drafter.context_rows
     prompt = [int(t) for t in np.random.default_rng(11).integers(0, 300, keep + 300)]
     plain = engine.generate(prompt, 24, stop_at_eos=False, speculative=False)
@@ -627,14 +627,14 @@ def test_a_long_prompt_is_observed_only_where_the_drafter_reads_it(eagle3_export
     full.observe(tokens[skip:], features[skip:])
     engine.drafter = lazy = Eagle3Drafter(eagle3_export / "drafter", window=window)
     engine.prefill_logits(prompt)
-    generation.catch_up_drafter(engine)
+    engine.catch_up_drafter()
     assert lazy.length == full.length == len(prompt) - 1
     assert lazy.propose(prompt[-1], 4, 4, 20) == full.propose(prompt[-1], 4, 4, 20)
 
 
 def test_plain_steps_inside_speculation_sample_as_plain_decoding(eagle3_export):
     """A policy that never drafts after the first round samples with the same random draws as plain."""
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, 20)]
     plain = engine.generate(prompt, 40, temperature=0.9, top_p=0.95, seed=7, stop_at_eos=False, speculative=False)
     engine.make_policy = lambda e: Scripted([0])
@@ -657,20 +657,20 @@ def test_leaving_plain_decoding_needs_a_clear_win():
 def test_a_new_draft_shape_starts_a_new_policy(eagle3_export):
     """Costs and acceptance measured for one draft shape do not carry over to another of the same
     depth (a top-4 tree's 16-node verify and lower acceptance held chain rounds back)."""
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, 12)]
     engine.draft_shape = {"top_k": 4, "depth": 3, "total_tokens": 10}
     engine.generate(prompt, 16, stop_at_eos=False)
-    tree_policy = generation.policy_for(engine)
+    tree_policy = generation.policy_for(engine.model, engine.context)
     engine.generate(prompt, 16, stop_at_eos=False)
-    assert generation.policy_for(engine) is tree_policy  # the same shape: kept, reply to reply
+    assert generation.policy_for(engine.model, engine.context) is tree_policy  # the same shape: kept, reply to reply
     engine.draft_shape = {"top_k": 1, "depth": 3, "total_tokens": 3}
-    chain_policy = generation.policy_for(engine)
+    chain_policy = generation.policy_for(engine.model, engine.context)
     assert chain_policy is not tree_policy and chain_policy.successes == chain_policy.failures == 0
     engine.draft_shape = {"top_k": 4, "depth": 3, "total_tokens": 10}
-    assert generation.policy_for(engine) is tree_policy  # back to the tree: what it measured still holds
+    assert generation.policy_for(engine.model, engine.context) is tree_policy  # back to the tree: what it measured still holds
     engine.make_policy = lambda e: SpecPolicy(3)
-    assert generation.policy_for(engine) is not tree_policy  # a new maker: every policy anew
+    assert generation.policy_for(engine.model, engine.context) is not tree_policy  # a new maker: every policy anew
 
 
 def test_the_best_depth_follows_every_new_measurement():
@@ -702,7 +702,7 @@ def test_a_fresh_engine_decodes_plainly_while_its_verify_session_opens(eagle3_ex
     import threading
     from concurrent.futures import Future
 
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     opened = engine.pipelines._opening.pop("verify").result()  # the load's prefetch, held back below
     still_opening = Future()
     engine.pipelines._opening["verify"] = still_opening
@@ -728,7 +728,7 @@ def test_a_reply_reports_its_plain_steps_median_cost_as_the_policy_timed_them(ea
     steps) is the median of the very plain-step times the policy is given, None with no plain step."""
     import statistics
 
-    engine = hybrid_npu.load(eagle3_export)
+    engine = hybrid_npu.load_engine(eagle3_export)
     prompt = [int(t) for t in np.random.default_rng(9).integers(0, 300, CHUNK + 4)]
     timed = []
 

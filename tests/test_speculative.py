@@ -81,13 +81,13 @@ def drafting_trees(engine):
 
 @pytest.fixture(scope="module")
 def plain_greedy(text_tied):
-    return hybrid_npu.load(text_tied.out).generate(PROMPT, 256, stop_at_eos=False)
+    return hybrid_npu.load_engine(text_tied.out).generate(PROMPT, 256, stop_at_eos=False)
 
 
 @pytest.mark.parametrize("kind", ["random", "oracle", "partial"])
 @pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
 def test_greedy_speculative_output_is_the_plain_output(text_tied, plain_greedy, kind, chain):
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     sequence = PROMPT + plain_greedy
     engine.drafter = {"random": RandomDrafter(320, chain=chain),
                       "oracle": OracleDrafter(320, engine, sequence, chain=chain),
@@ -113,7 +113,7 @@ def test_a_chain_between_two_core_sizes_speculates_to_the_plain_output(text_tied
     """A 9-draft chain (10 nodes, between the CPU verify graph's cores for 8 and 16) is verified as
     10 nodes, padded inside the graph; an export made before its graph took any count pads it on
     the host to 16. Both give the plain output."""
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     if not any_count:
         sized = dataclasses.replace(engine.manifest.cpu_verify, any_count=None)
         engine.manifest = dataclasses.replace(engine.manifest, graphs={**engine.manifest.graphs, "cpu_verify": sized})
@@ -129,12 +129,13 @@ def test_a_chain_between_two_core_sizes_speculates_to_the_plain_output(text_tied
 def test_stream_yields_the_plain_tokens_and_a_closed_stream_keeps_its_context(text_tied, plain_greedy):
     """stream() is generate() token by token; closed inside a round, the round's tokens stay in the
     context and the next generation continues exactly where plain decoding would."""
-    engine = drafting_trees(hybrid_npu.load(text_tied.out))
+    engine = drafting_trees(hybrid_npu.load_engine(text_tied.out))
     engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, wrong_rate=0.3, seed=5)
     engine.adaptive = False  # every step a round
-    assert list(stream(engine, PROMPT, Sampler(), 64, stop_at_eos=False)) == plain_greedy[:64]
-    assert engine.last_stats["rounds"] > 0 and engine.last_stats["decode_tokens"] == 64
-    tokens = stream(engine, PROMPT, Sampler(), 64, stop_at_eos=False)
+    tokens = stream(engine.model, engine.context, PROMPT, Sampler(), 64, stop_at_eos=False)
+    assert list(tokens) == plain_greedy[:64]
+    assert tokens.response.stats["rounds"] > 0 and tokens.response.stats["decode_tokens"] == 64
+    tokens = stream(engine.model, engine.context, PROMPT, Sampler(), 64, stop_at_eos=False)
     taken = [next(tokens) for _ in range(10)]
     tokens.close()
     kept = engine.context_ids()
@@ -145,14 +146,14 @@ def test_stream_yields_the_plain_tokens_and_a_closed_stream_keeps_its_context(te
 
 
 def test_committed_state_equals_plain_decoding_of_the_accepted_tokens(text_tied, plain_greedy):
-    spec = drafting_trees(hybrid_npu.load(text_tied.out))
+    spec = drafting_trees(hybrid_npu.load_engine(text_tied.out))
     spec.drafter = OracleDrafter(320, spec, PROMPT + plain_greedy, wrong_rate=0.3, seed=3)
-    plain = hybrid_npu.load(text_tied.out)
+    plain = hybrid_npu.load_engine(text_tied.out)
     spec.prefill_logits(PROMPT)
     plain.prefill_logits(PROMPT)
     root = plain_greedy[0]
     for _ in range(6):  # several rounds, each compared
-        emitted = speculative_round(spec, root, 100, False, Sampler())  # one greedy round
+        emitted = speculative_round(spec.model, spec.context, root, 100, False, Sampler())  # one greedy round
         for t in [root] + emitted[:-1]:
             plain.decode(t)
         root = emitted[-1]
@@ -188,7 +189,7 @@ def test_sampled_speculative_tokens_have_the_plain_distribution(tiny_vocab, temp
 
     The drafter's tree for each first token is drawn once (a drafter may be deterministic), so the
     verify pass runs once per first token and the 20,000 runs exercise the seeded verify."""
-    engine = hybrid_npu.load(tiny_vocab)
+    engine = hybrid_npu.load_engine(tiny_vocab)
     logits0 = engine.prefill_logits([3, 7, 2, 9, 4])
     rng = RandomDrafter(V, seed=11).rng
 
@@ -209,10 +210,10 @@ def test_an_export_without_a_verify_graph_still_loads_and_says_how_to_speculate(
     m = json.loads((old / "model.json").read_text())
     del m["graphs"]["verify"]  # as exported before speculative decoding existed
     (old / "model.json").write_text(json.dumps(m))
-    engine = hybrid_npu.load(old)
+    engine = hybrid_npu.load_engine(old)
     assert engine.drafter is None and engine.generate(PROMPT, 4)
     with pytest.raises(hybrid_npu.errors.UserError, match="no tree-verify graph.*--drafter"):
-        hybrid_npu.load(old, drafter=RandomDrafter(320))
+        hybrid_npu.load_engine(old, drafter=RandomDrafter(320))
 
 
 def test_an_export_without_a_recorded_shape_drafts_chains_where_the_cpu_verifies(text_tied, plain_greedy, tmp_path):
@@ -221,7 +222,7 @@ def test_an_export_without_a_recorded_shape_drafts_chains_where_the_cpu_verifies
     import json
     import shutil
 
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     assert (engine.manifest.drafter is None or engine.manifest.drafter.draft_shape is None) \
         and "npu_verify" not in engine.pipelines
     assert engine.draft_shape == CHAIN_SHAPE
@@ -235,12 +236,12 @@ def test_an_export_without_a_recorded_shape_drafts_chains_where_the_cpu_verifies
     m = json.loads((recorded / "model.json").read_text())
     m.setdefault("drafter", {})["draft_shape"] = {"top_k": 2, "depth": 3, "total_tokens": 6}
     (recorded / "model.json").write_text(json.dumps(m))
-    assert hybrid_npu.load(recorded).draft_shape == {"top_k": 2, "depth": 3, "total_tokens": 6}
+    assert hybrid_npu.load_engine(recorded).draft_shape == {"top_k": 2, "depth": 3, "total_tokens": 6}
 
 
 def test_the_verify_session_opens_only_when_speculating(text_tied):
     """A quantised export's session holds its own packed weights: no verify session unless used."""
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     engine.generate(PROMPT, 4, speculative=False)
     assert "verify" not in engine.pipelines and {"prefill", "decode"} <= set(engine.pipelines)
     engine.drafter = RandomDrafter(320)
@@ -298,7 +299,7 @@ def test_a_chain_tree_feed_from_kept_rows_is_the_general_feed():
     from hybrid_npu.kernels.rope import ROPE_BLOCK
     from hybrid_npu.runtime.speculative import Tree, general_tree_feed, tree_feed
 
-    engine = hybrid_npu.load(hybrid_npu.default_model())
+    engine = hybrid_npu.load_engine(hybrid_npu.default_model())
     engine.generate(list(range(5, 5 + ROPE_BLOCK - 10)), 1, temperature=0.0)
     cfg, state = engine.config, engine.state
     for n in (1, 2, 5, 15, 15):  # the second 15 from the kept arrays
@@ -386,11 +387,11 @@ def test_a_commit_beside_the_drafter_leaves_the_state_commit_path_leaves():
 def test_rounds_committing_on_a_worker_thread_speculate_to_the_plain_output(text_tied, plain_greedy, monkeypatch):
     """The tiny model's states are below the size where a round commits beside the drafter; with
     that bound at 0 every round does, and greedy output is still the plain output."""
-    import hybrid_npu.runtime.engine as engine_module
+    import hybrid_npu.runtime.model as model_module
 
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     assert engine.commit_worker() is None  # the tiny model commits inline
-    monkeypatch.setattr(engine_module, "COMMIT_BESIDE_MIN_BYTES", 0)
+    monkeypatch.setattr(model_module, "COMMIT_BESIDE_MIN_BYTES", 0)
     engine.drafter = OracleDrafter(320, engine, PROMPT + plain_greedy, wrong_rate=0.3, chain=True)
     engine.adaptive = False
     assert engine.generate(PROMPT, 256, stop_at_eos=False) == plain_greedy

@@ -86,9 +86,9 @@ def short_doc(tmp_path_factory, hf_tokenizer):
 
 @pytest.fixture(scope="module")
 def short_reference(model_dir, hf_tokenizer, short_doc):
-    """Greedy ids hybrid_npu.load().generate gives for the transformers-rendered prompt."""
+    """Greedy ids hybrid_npu.load_engine().generate gives for the transformers-rendered prompt."""
     ids = reference_prompt_ids(hf_tokenizer, short_doc.read_text(encoding="utf-8"))
-    engine = hybrid_npu.load(model_dir, threads=1)
+    engine = hybrid_npu.load_engine(model_dir, threads=1)
     return ids, engine.generate(ids, 16, speculative=False), engine.tokenizer
 
 
@@ -136,17 +136,17 @@ def test_long_document_in_chunks(model_dir, hf_tokenizer, tmp_path):
 # ---------------------------------------------------------------- the memory plan, up front
 def budget_for(model_dir, max_context: int) -> int:
     """The --memory that gives exactly max_context tokens (checked against the engine's own plan)."""
-    plan = hybrid_npu.load(model_dir, checkpoints=0).memory  # npu-summarize keeps no turn checkpoints
+    plan = hybrid_npu.load_engine(model_dir, checkpoints=0).memory  # npu-summarize keeps no turn checkpoints
     budget = (plan.weights_bytes + plan.state_bytes
               + max_context * plan.kv_bytes_per_token)
-    assert hybrid_npu.load(model_dir, memory=budget, checkpoints=0).memory_report()["max_context"] == max_context
+    assert hybrid_npu.load_engine(model_dir, memory=budget, checkpoints=0).memory_report()["max_context"] == max_context
     return budget
 
 
 def test_refused_before_any_work_counting_the_new_tokens(text_tied, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("The fox runs into the forest. " * 8, encoding="utf-8")
-    n = len(prompt_ids(hybrid_npu.load(text_tied.out), read_document(doc)))
+    n = len(prompt_ids(hybrid_npu.load_engine(text_tied.out), read_document(doc)))
     budget = budget_for(text_tied.out, n + 16)
     refused = run(doc, "--model", text_tied.out, "--memory", budget, "--max-new-tokens", 17)
     assert_one_line_error(refused, refused.stderr, f"is {n} tokens", "--max-new-tokens 17", f"{n + 16}-token",

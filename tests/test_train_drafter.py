@@ -25,7 +25,6 @@ from eagle3_train import collate, ttt_loss  # noqa: E402
 import hybrid_npu  # noqa: E402
 from hybrid_npu.export.drafter import export_drafter, read_drafter  # noqa: E402
 from hybrid_npu.runtime.eagle3 import Eagle3Drafter  # noqa: E402
-from hybrid_npu.runtime.generation import catch_up_drafter  # noqa: E402
 
 TAPS = dfx.target_config().tap_layers
 
@@ -66,7 +65,7 @@ def test_trained_drafter_exports_and_speculates_losslessly(trained):
     out = trained / "export"                            # export-hybrid TARGET OUT --drafter DRAFTER, by the script
     manifest = json.loads((out / "drafter" / "drafter.json").read_text())
     assert manifest["taps"]["layers"] == list(TAPS)     # the runtime taps what the trainer recorded
-    engine = hybrid_npu.load(out)
+    engine = hybrid_npu.load_engine(out)
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, CHUNK + 3)]
     plain = engine.generate(prompt, 40, stop_at_eos=False, speculative=False)
     spec = engine.generate(prompt, 40, stop_at_eos=False, speculative=True)
@@ -88,11 +87,11 @@ def test_trainer_features_are_the_runtime_taps(text_tied):
     prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (2 * CHUNK + 5, CHUNK - 3)]  # left padding too
     seqs = eagle3_data.generate(text_tied.ref, prompts, 8, 2, fixtures.ENDOFTEXT_ID, [fixtures.IM_END_ID], TAPS)
     rec = Recorder()
-    engine = hybrid_npu.load(text_tied.out, drafter=rec)
+    engine = hybrid_npu.load_engine(text_tied.out, drafter=rec)
     for seq in seqs:
         assert len(seq.ids) > seq.prompt_len + 2      # prefill and decode-step features both checked
         logits = engine.prefill_logits([int(t) for t in seq.ids])
-        catch_up_drafter(engine)                      # the pairs wait for the drafter's next use: here
+        engine.catch_up_drafter()                      # the pairs wait for the drafter's next use: here
         runtime = np.concatenate(rec.feats)           # taps of positions 0..n-2 (the last one waits)
         np.testing.assert_allclose(seq.taps[:-1], runtime, atol=2e-4, rtol=1e-3)
         assert seq.argmax[-1] == int(np.argmax(logits))

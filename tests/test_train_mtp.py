@@ -81,7 +81,7 @@ def test_build_embedded_model_mtp_only_swaps_the_head_and_keeps_the_rest(trained
     assert all(f.startswith("mtp/") or f == "training.json" for f in changed), changed
     assert json.loads((pkg / "training.json").read_text())["mtp"] == build_embedded_model.training_record(second)
 
-    engine = hybrid_npu.load(pkg, threads=1, drafter="mtp")
+    engine = hybrid_npu.load_engine(pkg, threads=1, drafter="mtp")
     engine.pipelines["verify"]  # open now, not while the first steps decode plainly
     engine.adaptive = False  # every step a round
     ids = [5, 17, 33, 2, 90, 41]
@@ -133,7 +133,7 @@ def test_build_embedded_model_graphs_only_refreshes_a_stale_graph_and_keeps_the_
     assert {f for f in after if before.get(f) != after[f]} == {"graphs/cpu_verify.onnx"}
     assert (pkg / "graphs/cpu_verify.onnx").read_bytes() == current
     assert json.loads((pkg / "model.json").read_text())["graphs"]["cpu_verify"]["nodes"] > 1
-    engine = hybrid_npu.load(pkg, threads=1, drafter="mtp")
+    engine = hybrid_npu.load_engine(pkg, threads=1, drafter="mtp")
     engine.adaptive = False  # every step a round
     ids = [5, 17, 33, 2, 90, 41]
     assert engine.generate(ids, 16, speculative=True, stop_at_eos=False) == \

@@ -29,7 +29,7 @@ def test_tree_verify_graph_matches_transformers_on_every_path(text_tied, tmp_pat
     onnx.save_model(gb.model(placements), tmp_path / "verify.onnx")
     sess = ort.InferenceSession(str(tmp_path / "verify.onnx"), providers=["CPUExecutionProvider"])
 
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 300, 11)]
     engine.prefill_logits(prompt)
     state = engine.state
@@ -61,7 +61,7 @@ def test_cpu_verify_graph_runs_trees_of_each_size_and_matches_transformers(text_
     (prefill through ORT's LinearAttention, verify through the masked form), and fp32 rounding alone
     moves these logits (|logit| ~ 7) by up to ~2e-4 on some paths (transformers' own fp32 run: 1.9e-4)."""
     ref64 = copy.deepcopy(text_tied.ref).double()
-    engine = hybrid_npu.load(text_tied.out)
+    engine = hybrid_npu.load_engine(text_tied.out)
     sizes = list(engine.manifest.cpu_verify.sizes)
     assert sizes[:7] == list(range(2, 9)) and sizes[-1] == engine.manifest.verify.n > 9
     graph = onnx.load(str(engine.path / engine.manifest.cpu_verify.file), load_external_data=False)

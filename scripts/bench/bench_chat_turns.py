@@ -21,7 +21,7 @@ MESSAGES = ["Write a function that reverses a list.", "Now make it work on strin
 
 
 def run(model, turns: int, max_new: int, think, checkpoints: int) -> list[dict]:
-    engine = hybrid_npu.load(model, checkpoints=checkpoints)
+    engine = hybrid_npu.load_engine(model, checkpoints=checkpoints)
     conv = Conversation(engine, system="You are a careful Python programmer.", enable_thinking=think)
     rows = []
     for user in MESSAGES[:turns]:

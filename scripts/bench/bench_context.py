@@ -42,15 +42,15 @@ def fill_context(engine, length: int, rng) -> None:
 def measure(export_dir: Path, lengths: list[int], steps: int, threads: int) -> list[dict]:
     import hybrid_npu
 
-    engine = hybrid_npu.load(export_dir, threads=threads)
+    engine = hybrid_npu.load_engine(export_dir, threads=threads)
     rng = np.random.default_rng(0)
     rows = []
     for length in lengths:
         fill_context(engine, length, rng)
-        engine._step("decode", [1])  # warm-up at this size
+        engine.step("decode", [1])  # warm-up at this size
         t0 = time.perf_counter()
         for _ in range(steps):
-            engine._step("decode", [1])
+            engine.step("decode", [1])
         tps = steps / (time.perf_counter() - t0)
         rows.append({"context": length, "decode_tokens_per_s": round(tps, 2),
                      "kv_bytes": engine.state.kv_bytes_in_use(),
@@ -88,7 +88,7 @@ def decode_rates(export_dir: Path, lengths: list[int], steps: int, threads: int)
     import hybrid_npu
     from hybrid_npu.runtime import huge_pages
 
-    engine = hybrid_npu.load(export_dir, threads=threads)
+    engine = hybrid_npu.load_engine(export_dir, threads=threads)
     huge_pages.wait()  # the prepacked weights settled on huge pages (runtime/huge_pages.py) before timing
     rng = np.random.default_rng(0)
     rates = []

@@ -50,7 +50,7 @@ def bench_ours(export_dir: Path, threads: int, prompt: list[int], decode: int) -
     from hybrid_npu.runtime import huge_pages
 
     t0 = time.perf_counter()
-    engine = hybrid_npu.load(export_dir, threads=threads)
+    engine = hybrid_npu.load_engine(export_dir, threads=threads)
     load_s = time.perf_counter() - t0
     huge_pages.wait()  # the prepacked weights settled on huge pages (runtime/huge_pages.py) before timing
     after_load = _memory_gb()  # the resident weights: quantised sessions hold their prepacked copies

@@ -48,9 +48,9 @@ def worker(export_dir: Path, args) -> dict:
     """One cache's figures, in this (fresh) process; the prompt's last logits go to args.logits_out."""
     import hybrid_npu
 
-    engine = hybrid_npu.load(export_dir, threads=args.threads, checkpoints=0)
+    engine = hybrid_npu.load_engine(export_dir, threads=args.threads, checkpoints=0)
     ids = [int(t) for t in np.random.default_rng(SEED).integers(0, engine.config.vocab_size, args.prefill)]
-    engine._step("prefill", ids[:128])  # warm-up: sessions and first-call allocations
+    engine.step("prefill", ids[:128])  # warm-up: sessions and first-call allocations
     fill_context(engine, args.depth, np.random.default_rng(SEED))  # the same fp32 rows, in this cache's dtype
     t0 = time.perf_counter()
     logits = engine.prefill(ids)

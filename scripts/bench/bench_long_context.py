@@ -52,7 +52,7 @@ def main() -> int:
     args = ap.parse_args()
     import hybrid_npu
 
-    engine = hybrid_npu.load(build(args.model, args.workdir), threads=args.threads)
+    engine = hybrid_npu.load_engine(build(args.model, args.workdir), threads=args.threads)
     ids = [int(t) for t in np.random.default_rng(0).integers(0, min(engine.config.vocab_size, 300), args.tokens)]
     proc = psutil.Process()
     windows, last = [], {"t": time.perf_counter(), "done": 0}

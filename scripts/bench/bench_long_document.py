@@ -77,7 +77,7 @@ def child(export_dir: Path, doc: Path, args) -> dict:
     from hybrid_npu.runtime.documents import read_document
     from hybrid_npu.runtime.summarize_cli import TokenCounter, prompt_ids, summarize
 
-    engine = hybrid_npu.load(export_dir, threads=args.threads, checkpoints=0)
+    engine = hybrid_npu.load_engine(export_dir, threads=args.threads, checkpoints=0)
     ids = prompt_ids(engine, read_document(doc, take=TokenCounter(engine, args.max_new_tokens, doc)))
     marks = [(time.perf_counter(), 0)]
     n, w = len(ids), args.window

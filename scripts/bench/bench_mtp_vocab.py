@@ -72,7 +72,7 @@ def main() -> int:
     from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab
 
     model = hybrid_npu.default_model()
-    engine = hybrid_npu.load(model, drafter="mtp", threads=args.threads)
+    engine = hybrid_npu.load_engine(model, drafter="mtp", threads=args.threads)
     vocab = engine.config.vocab_size
     always = added_token_ids(model / "tokenizer.json") | set(engine.config.eos_token_ids)
     counts = training_counts(engine.tokenizer, vocab)

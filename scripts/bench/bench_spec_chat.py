@@ -39,7 +39,7 @@ def measure(model: Path | None, turns: int, new: int, threads: int, fresh: bool,
     from hybrid_npu.runtime.conversation import Conversation, Sampling
 
     path = model or hybrid_npu.default_model()
-    engines = {mode: hybrid_npu.load(path, threads=threads) for mode in ("speculative", "plain")}
+    engines = {mode: hybrid_npu.load_engine(path, threads=threads) for mode in ("speculative", "plain")}
     if policy_b is not None:
         engines["speculative_b"] = engine_with(policy_b, threads, model=path)
     if engines["speculative"].drafter is None:

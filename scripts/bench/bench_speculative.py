@@ -188,7 +188,7 @@ def divergence(engine, ids: list[int], plain: list[int], spec: list[int]) -> dic
     engine.reset()
     logits = engine.prefill(list(ids))
     for t in plain[:k]:
-        logits = engine._step("decode", [t])
+        logits = engine.step("decode", [t])
     engine.reset()
     gap = float(logits[plain[k]] - logits[spec[k]])
     return {"token": k, "plain_margin": gap, "near_tie": gap <= NEAR_TIE}
@@ -247,7 +247,7 @@ def engine_with(overrides: dict, threads: int, drafter: str | None = None, model
     import hybrid_npu
     from hybrid_npu.runtime.speculation import SpecPolicy
 
-    engine = hybrid_npu.load(hybrid_npu.DEFAULT_MODEL if model is None else model, threads=threads, drafter=drafter)
+    engine = hybrid_npu.load_engine(hybrid_npu.DEFAULT_MODEL if model is None else model, threads=threads, drafter=drafter)
     engine.make_policy = lambda e: SpecPolicy(e.draft_shape["depth"], verify_nodes=e.verify_graph,
                                               verify_graphs=e.verify_graphs, **overrides)
     return engine
@@ -299,7 +299,7 @@ def main() -> int:
 
     model = args.model or hybrid_npu.default_model()
     try:
-        engines = {kind: hybrid_npu.load(model, threads=args.threads, drafter=kind) for kind in (args.drafter or [None])}
+        engines = {kind: hybrid_npu.load_engine(model, threads=args.threads, drafter=kind) for kind in (args.drafter or [None])}
     except UserError as e:
         print(f"bench_speculative: {e}", file=sys.stderr)
         return 2
@@ -309,7 +309,7 @@ def main() -> int:
         return 2
     engine_b = engine_with(overrides, args.threads, model=model) if args.policy_b else None
     # with a B arm, A's adaptive arm gets an engine as unshared as B's (module docstring: why)
-    engine_a = hybrid_npu.load(model, threads=args.threads) if args.policy_b else engine
+    engine_a = hybrid_npu.load_engine(model, threads=args.threads) if args.policy_b else engine
 
     def engine_for(mode: str, e):
         return engine_a if mode == "adaptive" and engine_b is not None else e

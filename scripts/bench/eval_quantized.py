@@ -66,7 +66,7 @@ def score(engine, wins) -> tuple[float, list[int]]:
     for w in wins:
         engine.reset()
         for tok, nxt in zip(w[:-1], w[1:]):
-            logits = engine._step("decode", [tok])
+            logits = engine.step("decode", [tok])
             total += nll(logits, nxt)
             argmax.append(int(logits.argmax()))
     return total / len(argmax), argmax
@@ -157,7 +157,7 @@ def main() -> int:
                     kw["calibration"] = calibration_file(tmp)
                 result.setdefault("htp_profile", prof.to_dict())
             manifest = export(args.target, out, **kw)
-            engine = hybrid_npu.load(out, threads=args.threads, prefill="cpu")
+            engine = hybrid_npu.load_engine(out, threads=args.threads, prefill="cpu")
             wins = windows(engine.tokenizer, args.positions, args.window)
             mean_nll, top1 = score_htp(out, prof, wins) if mode.startswith("htp-") else score(engine, wins)
             row = {"perplexity": round(math.exp(mean_nll), 3), "weights_bytes": manifest["weights"]["bytes"]}

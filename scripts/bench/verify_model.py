@@ -74,7 +74,7 @@ def measure(export: str, repeats: int) -> dict:
     import hybrid_npu
     from hybrid_npu.runtime.npu_bench import verify_costs
 
-    engine = hybrid_npu.load(export, profile="cpu", prefill="cpu")
+    engine = hybrid_npu.load_engine(export, profile="cpu", prefill="cpu")
     prompt = list(range(100, 116))
     decode, verify = [], {}
     for _ in range(repeats):

@@ -6,7 +6,7 @@ src/hybrid_npu/models/default/, and check the 40 MB ceiling.
     python scripts/train/build_embedded_model.py TARGET_DIR --mtp MTP_DIR --mtp-only
 
 --mtp: the MTP head train_mtp.py wrote for this target (mtp.* tensors), shipped beside the EAGLE-3
-drafter in mtp/ (the EAGLE-3 drafter stays the default; hybrid_npu.load(..., drafter="mtp") picks it).
+drafter in mtp/ (the EAGLE-3 drafter stays the default; hybrid_npu.load_engine(..., drafter="mtp") picks it).
 --mtp-only: replace only the package's mtp/ (and its training record), keeping its target and
 EAGLE-3 drafter byte for byte: the int8 drafter cannot be rebuilt from the package
 (scripts/train/checkpoint_from_export.py gives the target back, not it). TARGET_DIR must be the target the

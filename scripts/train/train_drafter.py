@@ -195,7 +195,7 @@ def runtime_acceptance(target: Path, drafter_dir: Path, prompts, gen_tokens: int
         t0 = time.perf_counter()
         export(target, out, drafter=drafter_dir)
         export_s = time.perf_counter() - t0
-        engine = hybrid_npu.load(out, threads=threads)
+        engine = hybrid_npu.load_engine(out, threads=threads)
         per_round: list[int] = []
         from hybrid_npu.runtime import generation
         speculate = generation.speculative_round

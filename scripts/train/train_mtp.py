@@ -83,7 +83,7 @@ def runtime_acceptance(target: Path, mtp_dir: Path, prompts, gen_tokens: int, th
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "export"
         export(target, out, mtp=mtp_dir)
-        engine = hybrid_npu.load(out, threads=threads)
+        engine = hybrid_npu.load_engine(out, threads=threads)
         engine.adaptive, engine.draft_shape = False, {"top_k": 1, "depth": DEPTH, "total_tokens": DEPTH}
         rows = []
         for p in prompts:

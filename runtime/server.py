@@ -26,8 +26,8 @@ from typing import Callable
 from hybrid_npu.errors import UserError
 
 from . import serve_api as api
-from .chat_template import ChatTemplate
-from .conversation import StreamDecoder, checkpoint_marks
+from .chat.template import ChatTemplate
+from .chat.conversation import StreamDecoder, checkpoint_marks
 from .serve_contexts import ServedContexts
 from .serve_guard import Guard, HostCheck, too_large_message
 

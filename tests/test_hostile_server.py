@@ -272,7 +272,7 @@ def test_the_held_tail_check_is_the_brute_force_one_and_long_stops_cost_little(p
 
 
 def test_threads_and_temperature_flags_are_bounded(capsys):
-    from hybrid_npu.runtime.chat_cli import main as chat_main
+    from hybrid_npu.runtime.chat.cli import main as chat_main
     from hybrid_npu.runtime.serve_cli import main as serve_main
 
     for argv, main, needle in ((["--threads", "100000"], serve_main, "--threads 100000: give 1 to"),

@@ -13,7 +13,7 @@ import pytest
 import fixtures
 import hybrid_npu
 from hybrid_npu.export.exporter import export
-from hybrid_npu.runtime.conversation import Conversation, Sampling
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 from hybrid_npu.runtime.generation import catch_up_drafter
 from hybrid_npu.runtime.mtp import MtpDrafter
 

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import hybrid_npu  # noqa: E402
-from hybrid_npu.runtime.chat_cli import main as chat_main  # noqa: E402
+from hybrid_npu.runtime.chat.cli import main as chat_main  # noqa: E402
 from hybrid_npu.runtime.serve_api import parse_request, tool_calls_of, visible  # noqa: E402
 
 KEY = "test-key-123"
@@ -172,7 +172,7 @@ def hf_ids(tok, messages, **kw) -> list[int]:
 
 def npu_chat_messages(messages, n):
     """A fresh engine's greedy reply to these messages (the reference for the server's)."""
-    from hybrid_npu.runtime.conversation import Conversation, Sampling
+    from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 
     conv = Conversation(hybrid_npu.load(hybrid_npu.default_model()))
     conv.messages = list(messages[:-1])

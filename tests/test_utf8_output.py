@@ -90,7 +90,7 @@ class Console(io.StringIO):
 
 def test_a_console_that_cannot_show_a_character_is_told_once(monkeypatch, capsys):
     from hybrid_npu.cli_common import console_output
-    from hybrid_npu.runtime.chat_repl import Repl
+    from hybrid_npu.runtime.chat.repl import Repl
 
     console_output("npu-chat")
     repl = Repl.__new__(Repl)

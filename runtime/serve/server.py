@@ -25,11 +25,11 @@ from typing import Callable
 
 from hybrid_npu.errors import UserError
 
-from . import serve_api as api
-from .chat.template import ChatTemplate
-from .chat.conversation import StreamDecoder, checkpoint_marks
-from .serve_contexts import ServedContexts
-from .serve_guard import Guard, HostCheck, too_large_message
+from . import api
+from ..chat.template import ChatTemplate
+from ..chat.conversation import StreamDecoder, checkpoint_marks
+from .contexts import ServedContexts
+from .guard import Guard, HostCheck, too_large_message
 
 DEFAULT_MAX_QUEUE = 16
 RETRY_AFTER_S = 5

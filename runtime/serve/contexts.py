@@ -9,7 +9,7 @@ request's own K/V fit what the plan leaves after weights, GDN state and checkpoi
 """
 from __future__ import annotations
 
-from .turn_checkpoints import HeldContext
+from ..turn_checkpoints import HeldContext
 
 
 class ServedContexts:

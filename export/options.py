@@ -12,7 +12,7 @@ from hybrid_npu.format import DEFAULT_KV_CACHE, KV_CACHES, MTP_KIND, STORAGE_DTY
 from hybrid_npu.profiles import Profile
 from hybrid_npu.profiles.loader import load_profile
 
-from .qdq import NPU_QUANT_MODES
+from .npu.qdq import NPU_QUANT_MODES
 from .quantize import WEIGHT_MODES, QuantSpec, quant_spec
 
 DEFAULT_CHUNK = 128

@@ -25,9 +25,9 @@ from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, STOR
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
 from .npu.context_binaries import compile_contexts
-from .drafter import read_drafter, write_drafter
-from .draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts, trim_hints
-from .mtp_drafter import read_mtp, trim_head, write_mtp
+from .drafters.eagle3 import read_drafter, write_drafter
+from .drafters.vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts, trim_hints
+from .drafters.mtp import read_mtp, trim_head, write_mtp
 from hybrid_npu import integrity
 from hybrid_npu.format import FORMAT
 from hybrid_npu.manifest import (Calibration, DrafterManifest, Graph, Manifest, NpuEntry, NpuWeights, Tile, Tokenizer,
@@ -100,7 +100,7 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     are quantised too: npu_quant "qdq" (default; w8a16/w4a16 calibrated on the text file
     `calibration`, export/npu/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
     max_context: refused (the NPU prefill reads any context in tiles; the memory plan bounds it).
-    drafter "mtp": the checkpoint's own MTP head (`mtp.*`) drafts (export/mtp_drafter.py), in mtp/;
+    drafter "mtp": the checkpoint's own MTP head (`mtp.*`) drafts (export/drafters/mtp.py), in mtp/;
     a directory: an EAGLE-3 drafter, in drafter/. mtp (a directory whose safetensors hold `mtp.*`
     trained for this target): an MTP drafter too, beside the EAGLE-3 one (which stays the default).
     check(dir, manifest): runs on the finished export before it is moved into place (parity);

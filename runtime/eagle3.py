@@ -67,7 +67,7 @@ FIX = "re-export the drafter with: export-hybrid SOURCE OUT --drafter DRAFTER"
 
 def read_draft_vocab(drafter_dir: Path, record: DraftVocab) -> np.ndarray:
     """The target id of each draft id, from a drafter manifest's vocab record (EAGLE-3's own
-    vocabulary, a trimmed MTP head's; export/drafter.py write_draft_vocab)."""
+    vocabulary, a trimmed MTP head's; export/drafters/shared.py write_draft_vocab)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
 

@@ -6,7 +6,7 @@ position is t, as vLLM and llama.cpp place it), a chained step feeds the head it
 (mtp.norm), and its K/V grows over the accepted context with the tree rows written past it and
 forgotten. That is exactly runtime/eagle3.py's bookkeeping (stable K/V, window, EAGLE-2 trees from
 the top-k, rewind), so this class only opens the MTP graphs; the vocabulary is the target's, or
-the trimmed head's subset of it (export/draft_vocab.py).
+the trimmed head's subset of it (export/drafters/vocab.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import torch
 import drafter_fixtures as dfx
 import fixtures
 from hybrid_npu.errors import UserError
-from hybrid_npu.export.drafter import export_drafter, read_drafter
+from hybrid_npu.export.drafters.eagle3 import export_drafter, read_drafter
 from hybrid_npu.runtime.eagle3 import Eagle3Drafter
 
 TARGET = dfx.target_config()

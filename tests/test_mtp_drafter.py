@@ -18,8 +18,8 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.export.checkpoint import read_checkpoint
 from hybrid_npu.export.cli import main as export_main
 from hybrid_npu.export.exporter import export
-from hybrid_npu.export.mtp_drafter import MtpConfig, read_mtp
-from hybrid_npu.export.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
+from hybrid_npu.export.drafters.mtp import MtpConfig, read_mtp
+from hybrid_npu.export.drafters.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.runtime.generation import catch_up_drafter
 from hybrid_npu.runtime.mtp import MtpDrafter
@@ -366,7 +366,7 @@ def test_quantised_mtp_head_is_the_reference_on_its_dequantised_weights(mtp_expo
     layer and its own copy of the tied head block-quantised (MatMulNBits), the embedding table fp16;
     with fp32 compute the head is the numpy reference on the dequantised weights."""
     import onnx
-    from hybrid_npu.export.mtp_drafter import export_mtp
+    from hybrid_npu.export.drafters.mtp import export_mtp
     from hybrid_npu.export.quantize import QuantSpec, dequantize_blockwise, quantize_blockwise
 
     root, _ = mtp_export

@@ -1,5 +1,5 @@
 """A Qwen3.5 MTP head in torch for training (docs/mtp-drafter.md; the same computation as
-export/mtp_drafter.py's graph and export/mtp_reference.py), with a training-time-test unroll.
+export/drafters/mtp.py's graph and export/drafters/mtp_reference.py), with a training-time-test unroll.
 
 Parameters carry the released `mtp.*` names (save_mtp writes them as such); the embedding and
 lm_head are the target's, frozen and not saved.

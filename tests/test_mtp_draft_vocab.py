@@ -14,7 +14,7 @@ from hybrid_npu.export.cli import main as export_main
 from hybrid_npu.export.drafters.vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, trim_hints
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.text_input import read_text_input
-from hybrid_npu.runtime.mtp import MtpDrafter
+from hybrid_npu.runtime.drafters.mtp import MtpDrafter
 
 from test_mtp_drafter import _close, _ref_sequence, _weights
 

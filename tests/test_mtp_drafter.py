@@ -22,7 +22,7 @@ from hybrid_npu.export.drafters.mtp import MtpConfig, read_mtp
 from hybrid_npu.export.drafters.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
 from hybrid_npu.kernels.attention import MASKED
 from hybrid_npu.runtime.generation import catch_up_drafter
-from hybrid_npu.runtime.mtp import MtpDrafter
+from hybrid_npu.runtime.drafters.mtp import MtpDrafter
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_choosing_a_drafter_kind_the_export_does_not_ship_says_so(mtp_export):
 def test_an_export_ships_both_drafters_and_the_kind_is_chosen_at_load(mtp_export, tmp_path):
     """EAGLE-3 in drafter/ (the default) and an MTP head trained apart (a directory of mtp.*) in mtp/."""
     import drafter_fixtures
-    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+    from hybrid_npu.runtime.drafters.eagle3 import Eagle3Drafter
 
     root, _ = mtp_export
     weights = drafter_fixtures.drafter_weights(seed=1, hidden_size=48, embed=False)

@@ -24,7 +24,7 @@ from eagle3_train import collate, ttt_loss  # noqa: E402
 
 import hybrid_npu  # noqa: E402
 from hybrid_npu.export.drafters.eagle3 import export_drafter, read_drafter  # noqa: E402
-from hybrid_npu.runtime.eagle3 import Eagle3Drafter  # noqa: E402
+from hybrid_npu.runtime.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from hybrid_npu.runtime.generation import catch_up_drafter  # noqa: E402
 
 TAPS = dfx.target_config().tap_layers

@@ -10,8 +10,8 @@ norm a zero-centred x̂·(1+w) RMSNorm as in the target:
     out = mtp.norm(x):   logits = lm_head(out);   out is the hidden of the next chained step
 The pair (h at position p, token p+1) sits at MTP position p and predicts token p+2.
 
-Graphs (same I/O names as the EAGLE-3 drafter's, so runtime/eagle3.py's K/V, window and tree code
-serve both; runtime/mtp.py):
+Graphs (same I/O names as the EAGLE-3 drafter's, so runtime/drafters/draft_tree.py's K/V, window and tree code
+serve both; runtime/drafters/mtp.py):
   mtp_in.onnx   taps [N, H] (tap.{L})  -> features [N, H]  (the target's final norm)
   mtp.onnx      features [N, H], input_ids [N], rope_cos/rope_sin [N, rd], attn_mask [N, past+N],
                 past_key/past_value [nKV, past, hd], logit_rows [M]

@@ -87,7 +87,7 @@ def gathered_rows(g: GraphBuilder, plan: WeightPlan, stored: str, ids: str) -> s
 
 def drafter_step_inputs(g: GraphBuilder, hidden: int, nkv: int, hd: int, rotary_dim: int):
     """The step graph's inputs every drafter shares (EAGLE-3's layer and the MTP head run through the
-    same runtime K/V and tree code, runtime/eagle3.py): features [n, hidden], input_ids [n], rope
+    same runtime K/V and tree code, runtime/drafters/draft_tree.py): features [n, hidden], input_ids [n], rope
     rows (unsqueezed for the heads), the additive mask [n, past + n], past K/V [nKV, past, hd] and
     the rows whose hidden and logits are wanted [m] (their K/V rows come for all n)."""
     f = g.input("features", np.float32, [N, hidden])
@@ -103,7 +103,7 @@ def drafter_step_inputs(g: GraphBuilder, hidden: int, nkv: int, hd: int, rotary_
 
 def write_draft_vocab(out: Path, draft_to_target) -> DraftVocab:
     """VOCAB_FILE in `out`: the target id of each draft id; returns the manifest's "vocab" record
-    (runtime/eagle3.py read_draft_vocab). EAGLE-3's own vocabulary and a trimmed MTP head's."""
+    (runtime/drafters/draft_tree.py read_draft_vocab). EAGLE-3's own vocabulary and a trimmed MTP head's."""
     from safetensors.numpy import save_file
 
     ids = np.ascontiguousarray(draft_to_target, dtype=np.int64)

@@ -98,7 +98,7 @@ class Attention(nn.Module):
         vs = [c[1].repeat_interleave(rep, 1) for c in cache]
         scale = 1.0 / math.sqrt(self.hd)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        if self.window:  # as runtime/eagle3.py reads: an observed row sees the window before it and
+        if self.window:  # as runtime/drafters/draft_tree.py reads: an observed row sees the window before it and
             # itself (keys t - window .. t), a draft level the last `window` stable rows (t - window + 1 .. t)
             causal = causal.triu(-self.window if len(cache) == 1 else 1 - self.window)
         s0 = (q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))   # [B, nH, T, T]

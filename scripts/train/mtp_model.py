@@ -38,8 +38,8 @@ def partial_rope(x, cos, sin, rd: int):
 class MtpHead(nn.Module):
     def __init__(self, cfg, embed: torch.Tensor, head: torch.Tensor, window: int | None = None):
         """cfg: the target's hybrid_npu ModelConfig (export/checkpoint.read_checkpoint(...).config).
-        window: the stable rows a query reads, as the runtime's windowed drafter (runtime/mtp.py, the
-        DRAFT_WINDOW of runtime/eagle3.py); None: all of them."""
+        window: the stable rows a query reads, as the runtime's windowed drafter (runtime/drafters/mtp.py, the
+        DRAFT_WINDOW of runtime/drafters/draft_tree.py); None: all of them."""
         super().__init__()
         self.window = window
         H, I = cfg.hidden_size, cfg.intermediate_size

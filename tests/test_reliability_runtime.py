@@ -150,7 +150,7 @@ def test_concurrent_saves_never_give_a_reader_a_mismatched_pair(text_tied, tmp_p
 
 
 # ---------------------------------------------------------------- bad sampling values (point 8)
-@pytest.mark.parametrize("cli", ["chat_cli", "summarize_cli"])
+@pytest.mark.parametrize("cli", ["chat.cli", "summarize_cli"])
 @pytest.mark.parametrize("flags, needle", [
     (["--seed", "-1"], "--seed -1"), (["--temperature", "nan"], "--temperature nan"),
     (["--temperature", "inf"], "--temperature inf"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
@@ -158,7 +158,7 @@ def test_concurrent_saves_never_give_a_reader_a_mismatched_pair(text_tied, tmp_p
 def test_bad_sampling_flags_are_one_line_exit_2(text_tied, tmp_path, cli, flags, needle):
     doc = tmp_path / "doc.txt"
     doc.write_text("def f(x):\n    return x\n")
-    target = [str(text_tied.out), "--prompt", "hi"] if cli == "chat_cli" else [str(doc), "--model", str(text_tied.out)]
+    target = [str(text_tied.out), "--prompt", "hi"] if cli == "chat.cli" else [str(doc), "--model", str(text_tied.out)]
     proc = subprocess.run([sys.executable, "-m", f"hybrid_npu.runtime.{cli}", *target, *flags],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and needle in _one_line(proc.stderr), proc.stderr

@@ -41,7 +41,7 @@ class Checkpoint:
     loaders: dict[str, Callable[[], np.ndarray]]
     source_dtype: str
     mtp_tensors: list[str] = field(default_factory=list)
-    # the MTP head (`mtp.*`, names kept as in the file): read only by `--drafter mtp` (export/mtp_drafter.py)
+    # the MTP head (`mtp.*`, names kept as in the file): read only by `--drafter mtp` (export/drafters/mtp.py)
     mtp_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     mtp_loaders: dict[str, Callable[[], np.ndarray]] = field(default_factory=dict, repr=False)
 

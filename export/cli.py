@@ -84,7 +84,7 @@ def add_arguments(p) -> None:
 
 
 def _check_npu(args, say) -> int:
-    from hybrid_npu.export.npu_report import check_export
+    from hybrid_npu.export.npu.report import check_export
 
     if not args.profile:
         raise UserError("--check-npu needs --profile (e.g. --profile snapdragon-x-elite)")

@@ -24,10 +24,10 @@ from hybrid_npu.format import (DRAFTER_DIR, EAGLE3_KIND, MTP_DIR, MTP_KIND, STOR
 
 
 from .checkpoint import TOKENIZER_FILES, Checkpoint, read_checkpoint, text_config
-from .context_binaries import compile_contexts
-from .drafter import read_drafter, write_drafter
-from .draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts, trim_hints
-from .mtp_drafter import read_mtp, trim_head, write_mtp
+from .npu.context_binaries import compile_contexts
+from .drafters.eagle3 import read_drafter, write_drafter
+from .drafters.vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, token_counts, trim_hints
+from .drafters.mtp import read_mtp, trim_head, write_mtp
 from hybrid_npu import integrity
 from hybrid_npu.format import FORMAT
 from hybrid_npu.manifest import (Calibration, DrafterManifest, Graph, Manifest, NpuEntry, NpuWeights, Tile, Tokenizer,
@@ -38,9 +38,9 @@ from .out_dir import check_output, finish_partial, make_partial, os_error_line, 
 from hybrid_npu.kernels.attention_tile import BULK_TILES, emit_attention_tile
 from hybrid_npu.kernels.graph import GraphBuilder
 
-from .parts import cut_at_attention, htp_itemsize, plan_parts
+from .npu.parts import cut_at_attention, htp_itemsize, plan_parts
 from .options import ExportOptions, ExportPlan
-from .qdq import quantize_parts, read_calibration
+from .npu.qdq import quantize_parts, read_calibration
 from .step_graph import Kind, StepSpec, build_step_graph
 from .weights import WeightPlan
 
@@ -98,9 +98,9 @@ def export(src, out, options: ExportOptions | None = None, *, force: bool = Fals
     then applies to what stays float. The drafters' weights follow the target's, or drafter_weights
     (float | int8 | int4: they only propose, so the output is the target's either way). With an NPU profile the NPU parts
     are quantised too: npu_quant "qdq" (default; w8a16/w4a16 calibrated on the text file
-    `calibration`, export/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
+    `calibration`, export/npu/qdq.py) or "nbits" (the CPU's MatMulNBits weights, uncalibrated).
     max_context: refused (the NPU prefill reads any context in tiles; the memory plan bounds it).
-    drafter "mtp": the checkpoint's own MTP head (`mtp.*`) drafts (export/mtp_drafter.py), in mtp/;
+    drafter "mtp": the checkpoint's own MTP head (`mtp.*`) drafts (export/drafters/mtp.py), in mtp/;
     a directory: an EAGLE-3 drafter, in drafter/. mtp (a directory whose safetensors hold `mtp.*`
     trained for this target): an MTP drafter too, beside the EAGLE-3 one (which stays the default).
     check(dir, manifest): runs on the finished export before it is moved into place (parity);
@@ -242,7 +242,7 @@ def npu_capacity(prof, max_context: int | None, chunk: int, cfg: ModelConfig) ->
 
 def _quantize_npu_parts(cfg: ModelConfig, float_dir: Path, graphs_dir: Path, graphs: dict, npu_specs: dict,
                         part_suffixes: dict[str, list[str]], quant, calib: tuple[list[int], dict], say) -> NpuWeights:
-    """The float NPU parts in float_dir -> their QDQ twins in graphs_dir (export/qdq.py), calibrated
+    """The float NPU parts in float_dir -> their QDQ twins in graphs_dir (export/npu/qdq.py), calibrated
     per graph (prefill chunks, verify trees); float_dir is removed. Returns the manifest record."""
     ids, source = calib
     say(f"calibrating the NPU parts on {source['file']} ({source['tokens']} tokens)")

@@ -12,7 +12,7 @@ from hybrid_npu.format import DEFAULT_KV_CACHE, KV_CACHES, MTP_KIND, STORAGE_DTY
 from hybrid_npu.profiles import Profile
 from hybrid_npu.profiles.loader import load_profile
 
-from .qdq import NPU_QUANT_MODES
+from .npu.qdq import NPU_QUANT_MODES
 from .quantize import WEIGHT_MODES, QuantSpec, quant_spec
 
 DEFAULT_CHUNK = 128
@@ -31,7 +31,7 @@ class ExportOptions:
     drafter: str | Path | None = None      # "mtp" (the checkpoint's own head) or an EAGLE-3 checkpoint dir
     mtp: str | Path | None = None          # a trained MTP head (mtp.* tensors) to ship beside EAGLE-3
     mtp_vocab: int | None = None           # the MTP head drafts this many tokens (0: all; None: the default,
-    #                                        export/draft_vocab.py)
+    #                                        export/drafters/vocab.py)
     mtp_vocab_text: str | Path | None = None  # ... the most frequent in this text (default: merge order)
     drafter_weights: str | None = None     # float | int8 | int4: the drafters' own (None: as the target's)
     weights: str | None = "float"          # float | int8 | int4

@@ -93,7 +93,7 @@ class StepSpec:
     tree_sizes: tuple[int, ...] = ()  # SIZED_VERIFY: the tree sizes, the largest n
     kv_cache: str = "fp32"            # the past K/V inputs' dtype (format.KV_CACHES; int8 adds their scales)
     final_tap: bool = False           # also tap.{L}: the residual after the last layer (before the final
-    #                                   norm), every row: what an MTP drafter reads (export/mtp_drafter.py)
+    #                                   norm), every row: what an MTP drafter reads (export/drafters/mtp.py)
     after_attention: bool = False     # a tiled NPU segment: the first layer's attention core ran on the host
     #                                   (in: hidden_in = the residual entering it, attn_out/attn_gate)
     to_attention: bool = False        # a tiled NPU segment: stop at the last layer's attention core (out:

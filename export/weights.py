@@ -33,7 +33,7 @@ class WeightPlan:
         self.quant = quant  # export.quantize.QuantSpec: linear layers as MatMulNBits; None = float
         # The layout a quantiser needs: GDN gate projections (b, a) apart from the big in_proj and
         # an untied lm_head, so both can stay float / get their own precision. Float graphs keep
-        # the fused forms (one call, the table shared) unless they are headed for QDQ (export/qdq.py).
+        # the fused forms (one call, the table shared) unless they are headed for QDQ (export/npu/qdq.py).
         self.quantizable = quant is not None or quantizable
         # A quantised model's embedding is only gathered (its head is a separate matrix), so it is
         # stored fp16 and widened row by row: the HTP holds it in fp16 anyway.

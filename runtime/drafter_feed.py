@@ -1,7 +1,7 @@
 """The (token, target feature) pairs the drafter has not observed yet: it is shown them in one call
 when it is next needed (a round's draft, the policy's guesses, a turn checkpoint), not as they come.
 
-Why lazily: a windowed drafter (runtime/eagle3.py, DRAFT_WINDOW) only ever reads the last `window`
+Why lazily: a windowed drafter (runtime/drafters/draft_tree.py, DRAFT_WINDOW) only ever reads the last `window`
 stable rows, and each row's K/V depends on its own pair alone (one decoder layer: K/V are
 projections of the layer's input, before any attention). So of a long prompt, or of a long stretch
 of plain decoding, only the last rows are needed: the older ones are skipped (drafter.skip), never

@@ -167,7 +167,7 @@ class Model:
     @property
     def drafter(self) -> Drafter | None:
         """The drafter speculation runs with (None: plain decoding). Given one, its capabilities are
-        found once (runtime/drafters.py DrafterCaps); an object that is no Drafter is one line."""
+        found once (runtime/drafters/ DrafterCaps); an object that is no Drafter is one line."""
         return self._drafter
 
     @drafter.setter
@@ -281,7 +281,7 @@ class Model:
     def _open_drafter(self, drafter, threads):
         """drafter: None (the export's default drafter, if any), "eagle3" / "mtp" (the export's drafter
         of that kind), an exported drafter directory, or any object with reset/observe/propose
-        (runtime/drafters.py chooses and opens it)."""
+        (runtime/drafters/ chooses and opens it)."""
         from .drafters import choose_drafter_dir, load_drafter
 
         if drafter is not None and not isinstance(drafter, (str, Path)):

@@ -26,7 +26,7 @@ from .state import State
 from .step_inputs import chain_rows, context_feed
 
 
-# Draft shapes (runtime/eagle3.py propose): EAGLE-2 beam trees; a chain is the tree of width 1.
+# Draft shapes (runtime/drafters/draft_tree.py propose): EAGLE-2 beam trees; a chain is the tree of width 1.
 # The default where an export records none (scripts/train/build_embedded_model.py records the one it
 # measured best) follows where rounds verify: on the CPU each verify node costs one more row of every
 # weight matmul (0.8B int4: a 4-node verify 1.55-1.64 decode steps, 8 nodes 2.3, 16 nodes 3.9-4.4),

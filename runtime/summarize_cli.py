@@ -45,8 +45,8 @@ def build_parser() -> OneLineParser:
 def prompt_ids(engine, document: str) -> list[int]:
     """One user turn, INSTRUCTION + document, rendered by the export's chat template up to the
     assistant's cue, thinking off where the template can switch it."""
-    from .chat_template import ChatTemplate
-    from .conversation import encode_turns, require_tokenizer
+    from .chat.template import ChatTemplate
+    from .chat.conversation import encode_turns, require_tokenizer
 
     require_tokenizer(engine)
     template = ChatTemplate.from_export(engine.path, engine.manifest)
@@ -127,7 +127,7 @@ class RateColumn(ProgressColumn):
 def summarize(engine, ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
               speculative: bool | None = None, on_text=None, progress=None) -> dict:
     """Prefill the prompt, decode the summary (streamed to on_text in whole characters)."""
-    from .conversation import generate_streamed
+    from .chat.conversation import generate_streamed
 
     new = generate_streamed(engine, ids, max_new_tokens, on_text, temperature=temperature, seed=seed,
                             progress=progress, speculative=speculative)
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         return int(e.code or 0)
     data_output()  # the summary is data: UTF-8 on stdout whatever the console
     try:
-        from .conversation import require_tokenizer
+        from .chat.conversation import require_tokenizer
         from .documents import check_document, read_document
 
         check_engine_arguments(a)

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
     import onnxruntime as ort
 
     import hybrid_npu
-    from hybrid_npu.runtime.chat_template import ChatTemplate
+    from hybrid_npu.runtime.chat.template import ChatTemplate
 
     work, name = Path(argv[0]), argv[1]
     result = {"machine": platform.machine(), "features": arm_features(), "onnxruntime": ort.__version__,

@@ -258,7 +258,7 @@ def prepare(work: Path) -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     from arm64_probe import PROMPT, THREADS
 
-    from hybrid_npu.runtime.chat_template import ChatTemplate
+    from hybrid_npu.runtime.chat.template import ChatTemplate
 
     engine = hybrid_npu.load_engine(hybrid_npu.default_model(), threads=THREADS)
     text = ChatTemplate.from_export(engine.path).render([{"role": "user", "content": PROMPT}], enable_thinking=False)

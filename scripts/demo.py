@@ -23,8 +23,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="alternating timed replies of each kind (default: 5)")
     args = ap.parse_args()
     import hybrid_npu
-    from hybrid_npu.runtime.chat_template import ChatTemplate
-    from hybrid_npu.runtime.conversation import encode_turns
+    from hybrid_npu.runtime.chat.template import ChatTemplate
+    from hybrid_npu.runtime.chat.conversation import encode_turns
 
     engine = hybrid_npu.load_engine(hybrid_npu.default_model())
     ids = encode_turns(engine, ChatTemplate.from_export(engine.path), [{"role": "user", "content": args.prompt}],

@@ -32,7 +32,7 @@ def random_source(cfg: ModelConfig, seed: int = 0):
 
 
 def write_graph(cfg: ModelConfig, spec: StepSpec, out_dir: Path, name: str, quantizable: bool = False) -> Path:
-    """quantizable: the layout export/qdq.py quantises (gates apart, untied head)."""
+    """quantizable: the layout export/npu/qdq.py quantises (gates apart, untied head)."""
     plan = WeightPlan(random_source(cfg), quantizable=quantizable)
     g = build_step_graph(cfg, plan, spec, name)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ logits outside the kept tokens masked, the head drafts only those, and speculati
 
 
 import hybrid_npu
-from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab
+from hybrid_npu.export.drafters.vocab import added_token_ids, choose_draft_vocab
 
 from bench_mtp_vocab import masked  # noqa: E402
 

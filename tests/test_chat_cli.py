@@ -15,10 +15,10 @@ import drafter_fixtures
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
-from hybrid_npu.runtime.chat_cli import main
-from hybrid_npu.runtime.chat_template import ChatTemplate
+from hybrid_npu.runtime.chat.cli import main
+from hybrid_npu.runtime.chat.template import ChatTemplate
 from hybrid_npu.runtime.turn_checkpoints import common_prefix
-from hybrid_npu.runtime.conversation import Conversation, Sampling, sidecar
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling, sidecar
 
 PROMPT = "you>"  # prompt_toolkit draws "you>" and moves the cursor over the space
 STATUS = r"\[prefill \d+ tok[^\]]*decode \d+ tok[^\]]*context \d+/\d+ \| RSS \d+ MiB\]"
@@ -52,7 +52,7 @@ def spawn(model, *args):
     if sys.platform == "win32":
         pytest.skip("pseudo-terminals are POSIX-only")
     env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}  # no cursor-position queries to answer
-    child = pexpect.spawn(sys.executable, ["-m", "hybrid_npu.runtime.chat_cli", str(model), *map(str, args)],
+    child = pexpect.spawn(sys.executable, ["-m", "hybrid_npu.runtime.chat.cli", str(model), *map(str, args)],
                           env=env, encoding="utf-8", codec_errors="replace", timeout=120, dimensions=(50, 250))
     child.expect_exact(PROMPT)
     return child
@@ -328,7 +328,7 @@ def test_bad_input_is_one_line_exit_2(chat_model, tmp_path, capsys, args, needle
 
 
 def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", str(tmp_path / "nope"),
+    proc = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat.cli", str(tmp_path / "nope"),
                            "--prompt", "hi"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "does not exist" in proc.stderr

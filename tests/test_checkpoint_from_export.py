@@ -12,7 +12,7 @@ import pytest
 import hybrid_npu
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.export.checkpoint import read_checkpoint
-from hybrid_npu.export.drafter import build_drafter_graphs, read_drafter
+from hybrid_npu.export.drafters.eagle3 import build_drafter_graphs, read_drafter
 from hybrid_npu.export.exporter import graph_specs
 from hybrid_npu.export.step_graph import build_step_graph
 from hybrid_npu.export.weights import WeightPlan

@@ -8,12 +8,12 @@ import pytest
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
-from hybrid_npu.runtime.chat_repl import status_line
-from hybrid_npu.runtime.conversation import Conversation, Sampling
+from hybrid_npu.runtime.chat.repl import status_line
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 
 
 def test_a_checkpoint_given_to_chat_suggests_an_export_beside_it_that_the_exporter_accepts(tmp_path, capsys):
-    from hybrid_npu.runtime.chat_cli import main
+    from hybrid_npu.runtime.chat.cli import main
 
     ckpt = tmp_path / "ckpt" / "tiny-qwen35"
     fixtures.write_text_checkpoint(ckpt, seed=1, tie=True)

@@ -192,7 +192,7 @@ def test_clis_exit_2_in_one_line(export_copy, tmp_path, kind):
     DAMAGE[kind][0](export_copy)
     doc = tmp_path / "doc.txt"
     doc.write_text("A short document about nothing in particular.\n")
-    for proc in (_cli("hybrid_npu.runtime.chat_cli", "--prompt", "hi", export_copy),
+    for proc in (_cli("hybrid_npu.runtime.chat.cli", "--prompt", "hi", export_copy),
                  _cli("hybrid_npu.runtime.summarize_cli", doc, "--quiet", "--model", export_copy)):
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""A drafter is whatever has reset/observe/propose (runtime/drafters.py Drafter); what else it can do
+"""A drafter is whatever has reset/observe/propose (runtime/drafters/__init__.py Drafter); what else it can do
 is found once, when the engine is given it, and an object that is no drafter is one line."""
 import json
 

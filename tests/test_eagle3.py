@@ -9,8 +9,8 @@ import torch
 import drafter_fixtures as dfx
 import fixtures
 from hybrid_npu.errors import UserError
-from hybrid_npu.export.drafter import export_drafter, read_drafter
-from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+from hybrid_npu.export.drafters.eagle3 import export_drafter, read_drafter
+from hybrid_npu.runtime.drafters.eagle3 import Eagle3Drafter
 
 TARGET = dfx.target_config()
 TAPS = TARGET.tap_layers  # (2, 3, 3)
@@ -150,7 +150,7 @@ def test_onnx_matches_torch_with_kv(plain):
 def test_guesses_are_the_guess_after_each_of_the_last_positions(plain):
     """observe(..., guesses=k) over a call longer than one observe chunk: the last k positions' guesses
     equal guess() after observing one position at a time, and the K/V and draft state are as without."""
-    from hybrid_npu.runtime.eagle3 import OBSERVE_CHUNK
+    from hybrid_npu.runtime.drafters.draft_tree import OBSERVE_CHUNK
     _, outs = plain
     n, k = OBSERVE_CHUNK + 6, 10  # the guessed rows straddle the chunk boundary
     taps, toks = taps_and_tokens(n, seed=8)
@@ -451,7 +451,7 @@ def test_with_exported_target(text_tied, tmp_path):
 
 
 def test_top_k_stable_is_the_stable_full_sort_prefix_with_ties():
-    from hybrid_npu.runtime.eagle3 import top_k_stable
+    from hybrid_npu.runtime.drafters.draft_tree import top_k_stable
 
     rng = np.random.default_rng(0)
     for shape, k in (((50,), 5), ((4, 300), 4), ((3, 7), 7), ((2, 9), 12)):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import hybrid_npu
-from hybrid_npu.runtime.chat_template import ChatTemplate
+from hybrid_npu.runtime.chat.template import ChatTemplate
 
 from conftest import assert_speculation_accounts_for
 
@@ -58,7 +58,7 @@ def test_full_depth_rounds_on_the_embedded_pair_verify_the_whole_chain_and_stay_
 
 
 def test_npu_chat_one_shot_json_uses_the_embedded_model_by_default():
-    r = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", "--prompt", PROMPT,
+    r = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat.cli", "--prompt", PROMPT,
                         "--max-new-tokens", "24", "--json", "--threads", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -82,7 +82,7 @@ def test_npu_chat_drafter_mtp_speculates_with_the_shipped_mtp_head():
     rounds = engine.last_stats["rounds"]
     assert fast == engine.generate(ids, 48, speculative=False, stop_at_eos=False)
     assert rounds > 0
-    r = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", "--prompt", PROMPT, "--drafter", "mtp",
+    r = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat.cli", "--prompt", PROMPT, "--drafter", "mtp",
                         "--max-new-tokens", "24", "--json", "--threads", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -90,7 +90,7 @@ def test_npu_chat_drafter_mtp_speculates_with_the_shipped_mtp_head():
 
 
 def test_npu_chat_drafter_kind_the_export_lacks_is_one_line(text_tied, capsys):
-    from hybrid_npu.runtime.chat_cli import main
+    from hybrid_npu.runtime.chat.cli import main
 
     assert main([str(text_tied.out), "--prompt", "hi", "--drafter", "mtp"]) == 2
     err = capsys.readouterr().err.strip()

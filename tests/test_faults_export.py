@@ -235,7 +235,8 @@ def test_no_tokenizer_warns(ckpt, tmp_path):
 def test_check_npu_reports_progress_per_graph(text_tied, htp_profile, monkeypatch, capsys):
     """The compile itself is stubbed (the real one runs in test_npu_export.py on the emulator):
     what is checked here is that every graph gets a line on stderr before its compile starts."""
-    from hybrid_npu.export import cli, npu_report
+    from hybrid_npu.export import cli
+    from hybrid_npu.export.npu import report as npu_report
 
     seen = []
 

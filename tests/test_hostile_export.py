@@ -260,7 +260,7 @@ def test_a_checkpoint_without_a_chat_template_is_said_at_export(ckpt, tmp_path):
 
 
 def test_a_child_ends_with_its_parent():
-    """export/npu_check.py's compile worker watches the export that started it (hybrid_npu.orphan):
+    """export/npu/check.py's compile worker watches the export that started it (hybrid_npu.orphan):
     a parent killed outright leaves no compiler behind. A stand-in parent and child show it."""
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
@@ -287,7 +287,7 @@ def test_a_child_ends_with_its_parent():
 def test_the_compile_worker_is_told_its_parent(monkeypatch):
     import hybrid_npu
     import psutil
-    from hybrid_npu.export import npu_check
+    from hybrid_npu.export.npu import check as npu_check
 
     seen = {}
 

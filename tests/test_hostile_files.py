@@ -21,7 +21,7 @@ from hybrid_npu.format import manifest_hash
 from hostile import assert_refused, run_bounded
 
 POSIX = os.name == "posix"
-CHAT = ["-m", "hybrid_npu.runtime.chat_cli"]
+CHAT = ["-m", "hybrid_npu.runtime.chat.cli"]
 SUMMARIZE = ["-m", "hybrid_npu.runtime.summarize_cli"]
 
 

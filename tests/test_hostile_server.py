@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from hostile import CHATML, MiB, one_line, template_export  # noqa: E402
-from hybrid_npu.runtime.serve_api import _held_tail  # noqa: E402
+from hybrid_npu.runtime.serve.api import _held_tail  # noqa: E402
 
 KEY = "test-key-456"
 LIMIT = 1 << 20  # --max-request-bytes of the plain server
@@ -58,7 +58,7 @@ class Server:
         self.port = free_port()
         self.log = tmp / f"serve-{self.port}.log"
         self._log = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.serve_cli", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.serve.cli", "--port", str(self.port),
                                       *args], stdout=subprocess.DEVNULL, stderr=self._log)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -272,8 +272,8 @@ def test_the_held_tail_check_is_the_brute_force_one_and_long_stops_cost_little(p
 
 
 def test_threads_and_temperature_flags_are_bounded(capsys):
-    from hybrid_npu.runtime.chat_cli import main as chat_main
-    from hybrid_npu.runtime.serve_cli import main as serve_main
+    from hybrid_npu.runtime.chat.cli import main as chat_main
+    from hybrid_npu.runtime.serve.cli import main as serve_main
 
     for argv, main, needle in ((["--threads", "100000"], serve_main, "--threads 100000: give 1 to"),
                                (["--threads", "100000", "--prompt", "x"], chat_main, "--threads 100000: give 1 to"),
@@ -359,7 +359,7 @@ def test_while_a_template_spins_health_answers_and_the_queue_is_bounded(hostile)
 def test_a_reply_whose_tool_arguments_nest_100k_deep_stays_text():
     """Model output is bounded by max_tokens, not by a nesting rule: a call whose value would not
     parse within Python's recursion limit comes back as the text it is, not as a 500."""
-    from hybrid_npu.runtime.serve_api import tool_calls_of
+    from hybrid_npu.runtime.serve.api import tool_calls_of
 
     value = nested(100_000)
     reply = f"<tool_call>\n<function=f>\n<parameter=a>\n{value}\n</parameter>\n</function>\n</tool_call>"

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 from hostile import CHATML, MiB, PeakRSS, one_line, template_export
-from hybrid_npu.runtime.chat_template import ChatTemplate
-from hybrid_npu.runtime.template_sandbox import TemplateLimits
+from hybrid_npu.runtime.chat.template import ChatTemplate
+from hybrid_npu.runtime.chat.template_sandbox import TemplateLimits
 
 import hybrid_npu
 from hybrid_npu.errors import UserError
@@ -108,7 +108,7 @@ def test_a_trusted_template_renders_as_before():
 def test_npu_chat_render_only_refuses_in_one_line(tmp_path, source, needle):
     """npu-chat --render-only in a fresh process: exit 2, one line, its peak memory bounded."""
     export = template_export(tmp_path, source)
-    proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", str(export), "--render-only",
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.chat.cli", str(export), "--render-only",
                              "--prompt", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with PeakRSS(proc.pid) as rss:
         out, err = proc.communicate(timeout=120)
@@ -129,8 +129,8 @@ def engine():
 def test_ctrl_c_stops_a_render_in_the_repl_and_keeps_the_conversation(engine):
     """A real SIGINT (signal.raise_signal works on Windows too) while the template spins: the turn
     is refused in one line, the messages are as they were, and the next turn works."""
-    from hybrid_npu.runtime.chat_repl import Repl
-    from hybrid_npu.runtime.conversation import Conversation, Sampling
+    from hybrid_npu.runtime.chat.repl import Repl
+    from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 
     conv = Conversation(engine, template=ChatTemplate(SPIN, limits=TemplateLimits(seconds=60, work=10**12)))
     repl = Repl(conv, Sampling(max_new_tokens=4, speculative=False), out=io.StringIO())
@@ -151,7 +151,7 @@ def test_ctrl_c_stops_a_render_in_the_repl_and_keeps_the_conversation(engine):
 def test_the_repl_refuses_a_stdin_line_that_is_not_utf8():
     """Bytes that are not UTF-8 are the user's input: one line, not 'report this'; the next line
     is answered and the session ends normally."""
-    proc = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", "--max-new-tokens", "2"],
+    proc = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat.cli", "--max-new-tokens", "2"],
                           input=b"\xff\xfe hello\nhi\n/exit\n", capture_output=True, timeout=300, check=False)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 0, err

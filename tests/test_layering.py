@@ -9,16 +9,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def imported_modules(folder: str, package: str):
-    for file in sorted((ROOT / folder).glob("*.py")):
+    for file in sorted((ROOT / folder).rglob("*.py")):  # subfolders too (runtime/chat/, export/npu/, ...)
+        name = file.relative_to(ROOT / folder).as_posix()
+        here = ".".join([package, *file.relative_to(ROOT / folder).parent.parts])  # the file's own package
         for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
-                yield file.name, [a.name for a in node.names]
+                yield name, [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
-                if node.level:  # relative: resolve against the package
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                if node.level:  # relative: resolve against the file's package
+                    parts = here.split(".")[: len(here.split(".")) - node.level + 1]
                     base = ".".join(parts + ([base] if base else []))
-                yield file.name, [base]
+                yield name, [base]
 
 
 @pytest.mark.parametrize("folder, package, forbidden", [

@@ -1,4 +1,4 @@
-"""A trimmed MTP head (`export-hybrid --drafter mtp --mtp-vocab N`, export/draft_vocab.py): which
+"""A trimmed MTP head (`export-hybrid --drafter mtp --mtp-vocab N`, export/drafters/vocab.py): which
 tokens it keeps, that its logits are the full head's at those tokens (numpy reference), that
 speculation with it is lossless and drafts only those tokens, and one-line refusals."""
 import json
@@ -11,10 +11,10 @@ import fixtures
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.cli import main as export_main
-from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, trim_hints
+from hybrid_npu.export.drafters.vocab import added_token_ids, choose_draft_vocab, draft_vocab_size, trim_hints
 from hybrid_npu.export.exporter import export
 from hybrid_npu.export.text_input import read_text_input
-from hybrid_npu.runtime.mtp import MtpDrafter
+from hybrid_npu.runtime.drafters.mtp import MtpDrafter
 
 from test_mtp_drafter import _close, _ref_sequence, _weights
 

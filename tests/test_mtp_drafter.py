@@ -18,10 +18,10 @@ from hybrid_npu.errors import UserError
 from hybrid_npu.export.checkpoint import read_checkpoint
 from hybrid_npu.export.cli import main as export_main
 from hybrid_npu.export.exporter import export
-from hybrid_npu.export.mtp_drafter import MtpConfig, read_mtp
-from hybrid_npu.export.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
+from hybrid_npu.export.drafters.mtp import MtpConfig, read_mtp
+from hybrid_npu.export.drafters.mtp_reference import mtp_hidden_in_ref, mtp_step_ref
 from hybrid_npu.kernels.attention import MASKED
-from hybrid_npu.runtime.mtp import MtpDrafter
+from hybrid_npu.runtime.drafters.mtp import MtpDrafter
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def test_choosing_a_drafter_kind_the_export_does_not_ship_says_so(mtp_export):
 def test_an_export_ships_both_drafters_and_the_kind_is_chosen_at_load(mtp_export, tmp_path):
     """EAGLE-3 in drafter/ (the default) and an MTP head trained apart (a directory of mtp.*) in mtp/."""
     import drafter_fixtures
-    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+    from hybrid_npu.runtime.drafters.eagle3 import Eagle3Drafter
 
     root, _ = mtp_export
     weights = drafter_fixtures.drafter_weights(seed=1, hidden_size=48, embed=False)
@@ -365,7 +365,7 @@ def test_quantised_mtp_head_is_the_reference_on_its_dequantised_weights(mtp_expo
     layer and its own copy of the tied head block-quantised (MatMulNBits), the embedding table fp16;
     with fp32 compute the head is the numpy reference on the dequantised weights."""
     import onnx
-    from hybrid_npu.export.mtp_drafter import export_mtp
+    from hybrid_npu.export.drafters.mtp import export_mtp
     from hybrid_npu.export.quantize import QuantSpec, dequantize_blockwise, quantize_blockwise
 
     root, _ = mtp_export

@@ -15,8 +15,8 @@ from real_size import qwen35_text_config, write_graph
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
-from hybrid_npu.export.npu_check import compile_on_npu
-from hybrid_npu.export.parts import htp_itemsize, layer_weight_bytes, plan_parts
+from hybrid_npu.export.npu.check import compile_on_npu
+from hybrid_npu.export.npu.parts import htp_itemsize, layer_weight_bytes, plan_parts
 from hybrid_npu.export.step_graph import Kind, StepSpec
 from hybrid_npu.profiles.loader import load_profile
 from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM

@@ -68,7 +68,7 @@ def test_npu_prefill_then_cpu_decode_gives_the_cpu_only_greedy_tokens(outliers, 
 
 def test_npu_verify_with_massive_activations_matches_transformers(outliers, htp_profile, tmp_path):
     """The verify graph on the HTP, fed the prompt as one chain-shaped tree: logits of every node."""
-    from hybrid_npu.export.qdq import calibration_steps
+    from hybrid_npu.export.npu.qdq import calibration_steps
     from hybrid_npu.runtime.npu_sessions import open_npu_pipeline
 
     path, _, ref = outliers

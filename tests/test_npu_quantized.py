@@ -14,7 +14,7 @@ from test_npu_export import derived_profile
 import hybrid_npu
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.exporter import export
-from hybrid_npu.export.qdq import calibration_steps
+from hybrid_npu.export.npu.qdq import calibration_steps
 from hybrid_npu.runtime.pipeline import Pipeline
 
 pytest.importorskip("onnxruntime_qnn", reason="the NPU path needs the qnn extra")
@@ -251,8 +251,8 @@ def test_real_qwen35_08b_qdq_layers_place_entirely_on_the_htp(name, bits, tmp_pa
     from real_size import qwen35_text_config, write_graph
     from test_npu_export import REAL_GRAPHS
 
-    from hybrid_npu.export.npu_check import compile_on_npu
-    from hybrid_npu.export.qdq import quantize_graph
+    from hybrid_npu.export.npu.check import compile_on_npu
+    from hybrid_npu.export.npu.qdq import quantize_graph
     from hybrid_npu.profiles.loader import load_profile
     from hybrid_npu.runtime.npu_sessions import MASK_DIM, PAST_DIM
 

@@ -17,10 +17,10 @@ import torch
 
 import hybrid_npu
 from hybrid_npu.export.exporter import export
-from hybrid_npu.runtime.chat_cli import main as chat_main
+from hybrid_npu.runtime.chat.cli import main as chat_main
 from hybrid_npu.runtime.turn_checkpoints import common_prefix
-from hybrid_npu.runtime.conversation import Conversation, Sampling
-from hybrid_npu.runtime.tool_calls import parse_tool_calls
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
+from hybrid_npu.runtime.chat.tool_calls import parse_tool_calls
 
 from conftest import CHUNK, Release, hf_tokenizer
 from qwen35_release import (ENDOFTEXT_ID, IM_END_ID, INTEGRATION_IDS, INTEGRATION_TEXT, RELEASE,
@@ -208,7 +208,7 @@ def test_save_and_load_keep_the_checkpoints_in_a_fresh_process(release, tmp_path
     full = hf_prompt(tok, conv.messages + [{"role": "user", "content": TURNS[2]}])
     script = textwrap.dedent(f"""
         import json, hybrid_npu
-        from hybrid_npu.runtime.conversation import Conversation, Sampling
+        from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
         conv = Conversation(hybrid_npu.load_engine({str(release.out)!r}))
         conv.load({str(tmp_path / "chat.state")!r})
         r = conv.reply({TURNS[2]!r}, Sampling(max_new_tokens=6, speculative=False, stop_at_eos=False))
@@ -259,7 +259,7 @@ def test_generation_config_gives_the_sampling_defaults(release, sampling_release
 
 
 def build_help() -> str:
-    from hybrid_npu.runtime.chat_cli import build_parser
+    from hybrid_npu.runtime.chat.cli import build_parser
     return build_parser().format_help()
 
 
@@ -277,7 +277,7 @@ def test_exports_and_snapshots_get_the_users_permissions(release, tmp_path):
 
 
 def test_one_token_reply_reports_no_rate(release):
-    from hybrid_npu.runtime.chat_repl import status_line
+    from hybrid_npu.runtime.chat.repl import status_line
 
     conv = Conversation(hybrid_npu.load_engine(release.out))
     line = status_line(conv.reply("Hi", Sampling(max_new_tokens=1, speculative=False)), conv)
@@ -314,8 +314,8 @@ def test_render_only_needs_a_prompt_and_a_refusing_template_is_one_line(release,
 
 
 def test_repl_shows_tool_calls_and_sends_tool_results(release, monkeypatch):
-    from hybrid_npu.runtime.chat_repl import Repl
-    from hybrid_npu.runtime.conversation import Reply
+    from hybrid_npu.runtime.chat.repl import Repl
+    from hybrid_npu.runtime.chat.conversation import Reply
 
     conv = Conversation(hybrid_npu.load_engine(release.out), tools=TOOLS)
     out = io.StringIO()
@@ -334,7 +334,7 @@ def test_banner_says_the_sampling_and_where_it_came_from(sampling_release):
     from transformers import GenerationConfig
 
     gen = GenerationConfig.from_pretrained(sampling_release.src)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli",  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat.cli",  # noqa: E731
                                      str(sampling_release.out), *a], input="", capture_output=True, text=True,
                                     timeout=300)
     banner = run().stdout.splitlines()[0]

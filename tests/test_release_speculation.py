@@ -13,8 +13,8 @@ import pytest
 import fixtures
 import hybrid_npu
 from hybrid_npu.export.exporter import export
-from hybrid_npu.runtime.conversation import Conversation, Sampling
-from hybrid_npu.runtime.mtp import MtpDrafter
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
+from hybrid_npu.runtime.drafters.mtp import MtpDrafter
 
 from conftest import CHUNK
 from qwen35_release import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, write_release_tokenizer

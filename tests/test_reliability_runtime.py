@@ -13,7 +13,7 @@ import pytest
 
 import hybrid_npu
 from hybrid_npu.errors import UserError
-from hybrid_npu.runtime.conversation import Conversation, Sampling
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_NAME = "n" * 300  # longer than any filesystem's 255-byte name limit
@@ -99,7 +99,7 @@ import sys, time
 from pathlib import Path
 import hybrid_npu
 from hybrid_npu.errors import UserError
-from hybrid_npu.runtime.conversation import Conversation, Sampling
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 model, target, word, n, flags = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5])
 conv = Conversation(hybrid_npu.load_engine(model))
 conv.reply(f"{word} {word} {word}", Sampling(max_new_tokens=2 + len(word) % 3, stop_at_eos=False))
@@ -150,7 +150,7 @@ def test_concurrent_saves_never_give_a_reader_a_mismatched_pair(text_tied, tmp_p
 
 
 # ---------------------------------------------------------------- bad sampling values (point 8)
-@pytest.mark.parametrize("cli", ["chat_cli", "summarize_cli"])
+@pytest.mark.parametrize("cli", ["chat.cli", "summarize_cli"])
 @pytest.mark.parametrize("flags, needle", [
     (["--seed", "-1"], "--seed -1"), (["--temperature", "nan"], "--temperature nan"),
     (["--temperature", "inf"], "--temperature inf"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
@@ -158,7 +158,7 @@ def test_concurrent_saves_never_give_a_reader_a_mismatched_pair(text_tied, tmp_p
 def test_bad_sampling_flags_are_one_line_exit_2(text_tied, tmp_path, cli, flags, needle):
     doc = tmp_path / "doc.txt"
     doc.write_text("def f(x):\n    return x\n")
-    target = [str(text_tied.out), "--prompt", "hi"] if cli == "chat_cli" else [str(doc), "--model", str(text_tied.out)]
+    target = [str(text_tied.out), "--prompt", "hi"] if cli == "chat.cli" else [str(doc), "--model", str(text_tied.out)]
     proc = subprocess.run([sys.executable, "-m", f"hybrid_npu.runtime.{cli}", *target, *flags],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and needle in _one_line(proc.stderr), proc.stderr
@@ -184,7 +184,7 @@ def test_the_api_validates_as_the_clis_do(text_tied, kw, needle):
 def test_closed_stdout_exits_quietly(text_tied, tmp_path, cli):
     doc = tmp_path / "doc.txt"
     doc.write_text("def f(x):\n    return x\n")
-    chat = ["hybrid_npu.runtime.chat_cli", str(text_tied.out), "--prompt", "hi", "--ignore-eos"]
+    chat = ["hybrid_npu.runtime.chat.cli", str(text_tied.out), "--prompt", "hi", "--ignore-eos"]
     args = {"chat": chat, "chat-json": [*chat, "--json"],
             "summarize": ["hybrid_npu.runtime.summarize_cli", str(doc), "--model", str(text_tied.out), "--quiet"]}[cli]
     proc = subprocess.Popen([sys.executable, "-m", *args, "--max-new-tokens", "50"],
@@ -315,7 +315,7 @@ def test_repl_at_80_columns_names_the_model_wraps_between_words_and_forgets_on_r
     if sys.platform == "win32":
         pytest.skip("pseudo-terminals are POSIX-only")
     env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
-    child = pexpect.spawn(sys.executable, ["-m", "hybrid_npu.runtime.chat_cli", "--max-new-tokens", "100000",
+    child = pexpect.spawn(sys.executable, ["-m", "hybrid_npu.runtime.chat.cli", "--max-new-tokens", "100000",
                                            "--ignore-eos", "--no-speculative"],  # the embedded model
                           env=env, encoding="utf-8", codec_errors="replace", timeout=120, dimensions=(50, 80))
     child.expect_exact("you>")
@@ -388,7 +388,7 @@ def test_opening_an_npu_session_keeps_stdout_clean(tmp_path):
 
 
 def test_tiny_memory_budget_is_shown_in_binary_units(text_tied, capsys):
-    from hybrid_npu.runtime.chat_cli import main
+    from hybrid_npu.runtime.chat.cli import main
 
     assert main([str(text_tied.out), "--memory", "1K", "--prompt", "hi"]) == 2
     err = _one_line(capsys.readouterr().err)

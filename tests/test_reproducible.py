@@ -83,7 +83,7 @@ def test_another_seed_or_position_gives_another_reply(engines):
 
 
 def npu_chat_json(*flags, env=None):
-    out = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat_cli", "--prompt",
+    out = subprocess.run([sys.executable, "-m", "hybrid_npu.runtime.chat.cli", "--prompt",
                           "Write a Python function that does this: Parse a header line.", "--json",
                           "--temperature", "0.8", "--seed", "1", "--max-new-tokens", "40", *flags],
                          capture_output=True, env=env or os.environ.copy(), timeout=300)

@@ -18,8 +18,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import hybrid_npu  # noqa: E402
-from hybrid_npu.runtime.chat_cli import main as chat_main  # noqa: E402
-from hybrid_npu.runtime.serve_api import parse_request, tool_calls_of, visible  # noqa: E402
+from hybrid_npu.runtime.chat.cli import main as chat_main  # noqa: E402
+from hybrid_npu.runtime.serve.api import parse_request, tool_calls_of, visible  # noqa: E402
 
 KEY = "test-key-123"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -51,7 +51,7 @@ class Server:
     def __init__(self, *args):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.serve_cli", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.serve.cli", "--port", str(self.port),
                                       *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -172,7 +172,7 @@ def hf_ids(tok, messages, **kw) -> list[int]:
 
 def npu_chat_messages(messages, n):
     """A fresh engine's greedy reply to these messages (the reference for the server's)."""
-    from hybrid_npu.runtime.conversation import Conversation, Sampling
+    from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 
     conv = Conversation(hybrid_npu.load_engine(hybrid_npu.default_model()))
     conv.messages = list(messages[:-1])
@@ -329,7 +329,7 @@ def test_tools_with_the_release_template(release):
 
 
 def test_beyond_loopback_without_a_key_warns_and_a_taken_port_is_one_line(capsys):
-    from hybrid_npu.runtime.serve_cli import main as serve_main
+    from hybrid_npu.runtime.serve.cli import main as serve_main
 
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
@@ -371,7 +371,7 @@ def test_an_ipv6_host_prints_a_url_a_client_can_use():
         except OSError:
             pytest.skip("no IPv6 loopback here")
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.serve_cli", "--host", "::1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid_npu.runtime.serve.cli", "--host", "::1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, encoding="utf-8")
     try:
         line = proc.stderr.readline()  # the banner, once the model is loaded (bounded by the timeout below)

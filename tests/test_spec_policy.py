@@ -520,7 +520,7 @@ def test_the_catch_up_scores_the_drafters_own_guesses(eagle3_export):
     assert len(policy.estimates.guess_cost) == 1 and policy.estimates.guess_cost[0] > 0  # the guess call's cost, for its budget
     policy.record_guesses(engine.catch_up_drafter(policy.guesses_per_catch_up))
     assert [(len(t), g) for t, _, g in pairs][2:] == [(7, 7)] and len(scored) == k + 7
-    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+    from hybrid_npu.runtime.drafters.eagle3 import Eagle3Drafter
     ref, hits = Eagle3Drafter(eagle3_export / "drafter"), []
     for tokens, features, guessed in pairs:
         for j, (t, f) in enumerate(zip(tokens, features)):
@@ -615,7 +615,7 @@ def test_a_long_prompt_is_observed_only_where_the_drafter_reads_it(eagle3_export
     assert observed[0] == keep  # the prompt's last pairs, at the end of the prefill
     # the pairs it skipped and kept are the prompt's: a drafter shown all of them, the skipped ones
     # first, then the kept ones in the same call, proposes the same tree
-    from hybrid_npu.runtime.eagle3 import Eagle3Drafter
+    from hybrid_npu.runtime.drafters.eagle3 import Eagle3Drafter
     window = engine.drafter.window
     engine.drafter = full = Eagle3Drafter(eagle3_export / "drafter", window=window)
     engine.reset()

@@ -23,8 +23,8 @@ from eagle3_model import (Drafter, DraftShape, init_from_target, load_checkpoint
 from eagle3_train import collate, ttt_loss  # noqa: E402
 
 import hybrid_npu  # noqa: E402
-from hybrid_npu.export.drafter import export_drafter, read_drafter  # noqa: E402
-from hybrid_npu.runtime.eagle3 import Eagle3Drafter  # noqa: E402
+from hybrid_npu.export.drafters.eagle3 import export_drafter, read_drafter  # noqa: E402
+from hybrid_npu.runtime.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 
 TAPS = dfx.target_config().tap_layers
 

@@ -40,7 +40,7 @@ def test_render_only_prints_the_exact_utf8_prompt(console):
     want = AutoTokenizer.from_pretrained(hybrid_npu.default_model()).apply_chat_template(
         [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     assert PROMPT in want
-    assert run("chat_cli", "--render-only", "--prompt", PROMPT, env=CONSOLES[console]) == want.encode("utf-8")
+    assert run("chat.cli", "--render-only", "--prompt", PROMPT, env=CONSOLES[console]) == want.encode("utf-8")
 
 
 @pytest.mark.parametrize("console", CONSOLES)
@@ -51,10 +51,10 @@ def test_json_and_a_one_shot_reply_are_utf8(text_tied, console):
 
     tok = Tokenizer.from_file(str(text_tied.out / "tokenizer.json"))
     args = [str(text_tied.out), "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos"]
-    reply = json.loads(run("chat_cli", *args, "--json", env=CONSOLES[console]).decode("utf-8"))
+    reply = json.loads(run("chat.cli", *args, "--json", env=CONSOLES[console]).decode("utf-8"))
     text = tok.decode(reply["token_ids"])
     assert reply["text"] == text and not_cp1252(text)
-    assert run("chat_cli", *args, env=CONSOLES[console]) == (text + "\n").encode("utf-8")
+    assert run("chat.cli", *args, env=CONSOLES[console]) == (text + "\n").encode("utf-8")
 
 
 @pytest.mark.parametrize("console", CONSOLES)
@@ -75,8 +75,8 @@ def test_piped_chat_reads_and_writes_utf8(text_tied):
     """npu-chat < questions.txt > answers.txt: the messages in and the replies out are UTF-8 on a
     cp1252 console too (the prompt's text reaches the model whole: the same reply as --prompt)."""
     args = [str(text_tied.out), "--max-new-tokens", "12", "--ignore-eos"]
-    want = json.loads(run("chat_cli", *args, "--prompt", PROMPT, "--json", env={}).decode("utf-8"))["text"]
-    out = run("chat_cli", *args, env=CONSOLES["cp1252"], stdin=(PROMPT + "\n").encode("utf-8")).decode("utf-8")
+    want = json.loads(run("chat.cli", *args, "--prompt", PROMPT, "--json", env={}).decode("utf-8"))["text"]
+    out = run("chat.cli", *args, env=CONSOLES["cp1252"], stdin=(PROMPT + "\n").encode("utf-8")).decode("utf-8")
     assert want in out
 
 
@@ -90,7 +90,7 @@ class Console(io.StringIO):
 
 def test_a_console_that_cannot_show_a_character_is_told_once(monkeypatch, capsys):
     from hybrid_npu.cli_common import console_output
-    from hybrid_npu.runtime.chat_repl import Repl
+    from hybrid_npu.runtime.chat.repl import Repl
 
     console_output("npu-chat")
     repl = Repl.__new__(Repl)

@@ -13,7 +13,7 @@ import time
 
 import harness  # one JSON object, machine and commit recorded (this folder is on sys.path when run)
 import hybrid_npu
-from hybrid_npu.runtime.conversation import Conversation, Sampling
+from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 
 MESSAGES = ["Write a function that reverses a list.", "Now make it work on strings too.",
             "Add a docstring and type hints.", "Write a test for it.", "Make the test cover empty input.",

@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     import hybrid_npu
-    from hybrid_npu.export.draft_vocab import added_token_ids, choose_draft_vocab
+    from hybrid_npu.export.drafters.vocab import added_token_ids, choose_draft_vocab
 
     model = hybrid_npu.default_model()
     engine = hybrid_npu.load_engine(model, drafter="mtp", threads=args.threads)

@@ -1,5 +1,5 @@
 """Speculative decoding in a real multi-turn chat: one conversation of held-out chat prompts, turn
-after turn, through the export's own chat template (runtime/conversation.py: each turn keeps the
+after turn, through the export's own chat template (runtime/chat/conversation.py: each turn keeps the
 context and prefills only what is new), on two engines of the same export loaded side by side, one
 speculating (the default policy) and one decoding plainly. The two replies of a turn are generated
 one after the other, the order swapped every turn, so load from other jobs hits both.
@@ -36,7 +36,7 @@ from hybrid_npu.errors import UserError  # noqa: E402
 
 def measure(model: Path | None, turns: int, new: int, threads: int, fresh: bool, policy_b: dict | None = None) -> dict:
     import hybrid_npu
-    from hybrid_npu.runtime.conversation import Conversation, Sampling
+    from hybrid_npu.runtime.chat.conversation import Conversation, Sampling
 
     path = model or hybrid_npu.default_model()
     engines = {mode: hybrid_npu.load_engine(path, threads=threads) for mode in ("speculative", "plain")}

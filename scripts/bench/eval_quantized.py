@@ -75,7 +75,7 @@ def score(engine, wins) -> tuple[float, list[int]]:
 def score_htp(path: Path, profile, wins) -> tuple[float, list[int]]:
     """Teacher-forced through the NPU verify parts: each window in chain-shaped trees from a fresh
     state of exactly T_max K/V rows (the shape the HTP graphs were compiled for)."""
-    from hybrid_npu.export.qdq import calibration_steps
+    from hybrid_npu.export.npu.qdq import calibration_steps
     from hybrid_npu.runtime.npu_sessions import open_npu_pipeline
 
     from hybrid_npu.manifest import load_manifest

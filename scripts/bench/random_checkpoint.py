@@ -121,7 +121,7 @@ def make_random_mtp(target_cfg, out: Path, seed: int = 0) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from hybrid_npu.export.mtp_drafter import MtpConfig, expected_shapes
+    from hybrid_npu.export.drafters.mtp import MtpConfig, expected_shapes
 
     out = Path(out)
     marker = out / "random_mtp.json"

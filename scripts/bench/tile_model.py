@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_checkpoint import model_config  # noqa: E402
 
 from hybrid_npu.config import ModelConfig  # noqa: E402
-from hybrid_npu.export.parts import cut_at_attention, htp_itemsize, plan_parts  # noqa: E402
+from hybrid_npu.export.npu.parts import cut_at_attention, htp_itemsize, plan_parts  # noqa: E402
 from hybrid_npu.kernels.attention_tile import BULK_TILES  # noqa: E402
 from hybrid_npu.profiles.loader import load_profile  # noqa: E402
 

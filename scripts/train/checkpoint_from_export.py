@@ -32,7 +32,7 @@ import onnx
 from hybrid_npu.config import ModelConfig
 from hybrid_npu.errors import UserError
 from hybrid_npu.export.checkpoint import expected_shapes as target_shapes
-from hybrid_npu.export.drafter import (DrafterCheckpoint, DrafterConfig, build_drafter_graphs,
+from hybrid_npu.export.drafters.eagle3 import (DrafterCheckpoint, DrafterConfig, build_drafter_graphs,
                                        expected_shapes as drafter_shapes)
 from hybrid_npu.export.exporter import graph_specs
 from hybrid_npu.export.step_graph import build_step_graph

@@ -1,5 +1,5 @@
 """The EAGLE-3 drafter in torch, for training-time-test (TTT) training, saved in the official /
-SpecForge layout that export/drafter.py reads (docs/eagle3-drafter.md).
+SpecForge layout that export/drafters/eagle3.py reads (docs/eagle3-drafter.md).
 
 One Llama decoder layer whose attention input is concat(input_layernorm(embed(token)),
 hidden_norm(feature)), 2h wide; plain x̂·w RMSNorm, full RoPE, GQA, SwiGLU; `fc` fuses the target's
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         vs = [c[1].repeat_interleave(rep, 1) for c in cache]
         scale = 1.0 / math.sqrt(self.hd)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        if self.window:  # as runtime/eagle3.py reads: an observed row sees the window before it and
+        if self.window:  # as runtime/drafters/draft_tree.py reads: an observed row sees the window before it and
             # itself (keys t - window .. t), a draft level the last `window` stable rows (t - window + 1 .. t)
             causal = causal.triu(-self.window if len(cache) == 1 else 1 - self.window)
         s0 = (q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))   # [B, nH, T, T]
@@ -177,7 +177,7 @@ def init_from_target(drafter: Drafter, target, used: torch.Tensor) -> None:
 def save_checkpoint(drafter: Drafter, used: np.ndarray, target_taps, out_dir) -> Path:
     """Official/SpecForge layout (docs/eagle3-drafter.md): config.json + model.safetensors with midlayer.*,
     fc, norm, lm_head, d2t (target_id = i + d2t[i]), t2d. The taps are written as SpecForge's
-    eagle_config ids, "output of layer k" = the stream entering layer k+1; export/drafter.py reads
+    eagle_config ids, "output of layer k" = the stream entering layer k+1; export/drafters/eagle3.py reads
     them back to exactly `target_taps` (the layers entering which the features were recorded)."""
     from safetensors.torch import save_file
 

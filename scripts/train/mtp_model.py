@@ -1,5 +1,5 @@
 """A Qwen3.5 MTP head in torch for training (docs/mtp-drafter.md; the same computation as
-export/mtp_drafter.py's graph and export/mtp_reference.py), with a training-time-test unroll.
+export/drafters/mtp.py's graph and export/drafters/mtp_reference.py), with a training-time-test unroll.
 
 Parameters carry the released `mtp.*` names (save_mtp writes them as such); the embedding and
 lm_head are the target's, frozen and not saved.
@@ -38,8 +38,8 @@ def partial_rope(x, cos, sin, rd: int):
 class MtpHead(nn.Module):
     def __init__(self, cfg, embed: torch.Tensor, head: torch.Tensor, window: int | None = None):
         """cfg: the target's hybrid_npu ModelConfig (export/checkpoint.read_checkpoint(...).config).
-        window: the stable rows a query reads, as the runtime's windowed drafter (runtime/mtp.py, the
-        DRAFT_WINDOW of runtime/eagle3.py); None: all of them."""
+        window: the stable rows a query reads, as the runtime's windowed drafter (runtime/drafters/mtp.py, the
+        DRAFT_WINDOW of runtime/drafters/draft_tree.py); None: all of them."""
         super().__init__()
         self.window = window
         H, I = cfg.hidden_size, cfg.intermediate_size

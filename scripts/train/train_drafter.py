@@ -53,7 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--long-prompts", type=int, default=0, help="long-context training prompts besides those")
     ap.add_argument("--max-context", type=int, default=4096, help="the longest long-context prompt, in tokens")
     ap.add_argument("--window", type=int, default=512,
-                    help="stable rows a draft query reads in training (runtime/eagle3.py DRAFT_WINDOW); 0: all")
+                    help="stable rows a draft query reads in training (runtime/drafters/draft_tree.py DRAFT_WINDOW); 0: all")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (default: min(V, 32000))")
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--batch", type=int, default=8, help="sequences per training step")

@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_npu.cli_common import OneLineParser  # noqa: E402
 from hybrid_npu.errors import UserError  # noqa: E402
-from hybrid_npu.runtime.eagle3 import DRAFT_WINDOW  # noqa: E402
+from hybrid_npu.runtime.drafters.draft_tree import DRAFT_WINDOW  # noqa: E402
 from train_drafter import DEPTH, Clock, build_data, load_target, train  # noqa: E402  (the same TTT loop)
 
 

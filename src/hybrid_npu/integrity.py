@@ -37,7 +37,7 @@ _FIX = "copy the export again or re-export it"
 _CACHE_ENTRIES = 512
 _CACHE_BYTES = 1 << 20  # 512 keys of ~120 characters
 SKIP = {MANIFEST, ".hybrid-npu-partial"}  # the manifest holds the record; the partial marker is removed
-CONTEXT_DIR = "ctx"  # export/context_binaries.py writes QNN context binaries under ctx/PROFILE/
+CONTEXT_DIR = "ctx"  # export/npu/context_binaries.py writes QNN context binaries under ctx/PROFILE/
 
 
 def file_hash(path: Path, limit: int | None = None) -> str:

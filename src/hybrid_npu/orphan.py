@@ -1,6 +1,6 @@
 """A child process that ends when its parent does, on every platform.
 
-export-hybrid compiles each NPU graph in a child process (export/npu_check.py); a parent killed
+export-hybrid compiles each NPU graph in a child process (export/npu/check.py); a parent killed
 outright (SIGKILL, a closed console, SIGTERM's default action) runs no cleanup, and the compile
 would go on for minutes writing into a folder the next export deletes. POSIX offers
 prctl(PR_SET_PDEATHSIG) on Linux only and Windows needs job objects, so the child watches

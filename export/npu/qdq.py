@@ -26,7 +26,7 @@ import onnx
 
 from hybrid_npu.config import ModelConfig
 
-from .text_input import read_text_input, text_tokenizer
+from ..text_input import read_text_input, text_tokenizer
 
 NPU_QUANT_MODES = ("qdq", "nbits")
 # Enough text for stable activation ranges (MinMax over every position), bounded so calibration

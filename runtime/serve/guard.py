@@ -22,7 +22,7 @@ import ipaddress
 import json
 from urllib.parse import urlsplit
 
-from . import serve_api as api
+from . import api
 
 WILDCARDS = ("0.0.0.0", "::", "")
 

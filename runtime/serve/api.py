@@ -17,8 +17,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from .sampling import MIN_TEMPERATURE
-from .tool_calls import check_tools, parse_tool_calls
+from ..sampling import MIN_TEMPERATURE
+from ..chat.tool_calls import check_tools, parse_tool_calls
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOP = 4

@@ -15,8 +15,8 @@ import sys
 from hybrid_npu.cli_common import OneLineParser, byte_size, check_threads, human_bytes, report
 from hybrid_npu.errors import UserError
 
-from .drafters import KINDS as DRAFTER_KINDS
-from .model import PREFILL_MODES
+from ..drafters import KINDS as DRAFTER_KINDS
+from ..model import PREFILL_MODES
 
 
 def build_parser() -> OneLineParser:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         except ImportError as e:
             raise UserError(f"npu-serve needs the serve extra ({e.name} is missing): "
                             "pip install 'hybrid-npu[serve]'") from None
-        from .model_args import open_model
+        from ..model_args import open_model
 
         if not _loopback(a.host) and not a.api_key:
             print(f"npu-serve: warning: listening on {a.host} without --api-key: anyone who can reach this machine "

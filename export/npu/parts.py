@@ -13,7 +13,7 @@ import numpy as np
 from hybrid_npu.config import LINEAR, ModelConfig
 from hybrid_npu.errors import UserError
 
-from .checkpoint import expected_shapes
+from ..checkpoint import expected_shapes
 
 
 def htp_itemsize(profile) -> int:

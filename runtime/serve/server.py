@@ -3,11 +3,11 @@
 One model, one worker thread: requests run in arrival order (a single-thread executor is a FIFO
 queue), so a waiting request's stream starts when its turn comes. Each request renders its
 messages with the model's own template (the same code path as npu-chat), goes to whichever kept
-conversation keeps the most of that prompt (serve_contexts.py), prefills only the rest and keeps
+conversation keeps the most of that prompt (contexts.py), prefills only the rest and keeps
 two turn checkpoints, as a chat turn does. A client that goes away mid-stream stops its generation
 at the last committed token; the context it leaves is consistent and can be resumed from.
 
-Hostile requests (docs/reliability-server.md): serve_guard.py checks Host, Origin, the key,
+Hostile requests (docs/reliability-server.md): guard.py checks Host, Origin, the key,
 Content-Type and Content-Length first; the body is counted as it arrives and refused past
 --max-request-bytes; parsing, rendering and tokenizing run in a thread, never on the event loop
 (/health answers meanwhile); at most --max-queue requests are prepared, wait for the worker or
@@ -26,13 +26,13 @@ from typing import Callable
 
 from hybrid_npu.errors import UserError
 
-from . import serve_api as api
-from .chat_template import ChatTemplate
-from .conversation import StreamDecoder, checkpoint_marks
-from .generation import stream
-from .sampling import Sampler, check_sampling
-from .serve_contexts import ServedContexts
-from .serve_guard import Guard, HostCheck, too_large_message
+from . import api
+from ..chat.template import ChatTemplate
+from ..chat.conversation import StreamDecoder, checkpoint_marks
+from ..generation import stream
+from ..sampling import Sampler, check_sampling
+from .contexts import ServedContexts
+from .guard import Guard, HostCheck, too_large_message
 
 DEFAULT_MAX_QUEUE = 16
 RETRY_AFTER_S = 5

@@ -1,6 +1,6 @@
 """Offline compile: QNN context binaries (EPContext models) for a profile's NPU graph parts,
 compiled here (on x86_64 by onnxruntime-qnn's HTP emulator) so the laptop loads instead of
-compiling. Each part compiles in a child process (export/npu_check.py) at the profile's static
+compiling. Each part compiles in a child process (export/npu/check.py) at the profile's static
 shapes; the binaries land in ctx/<profile>/ and are recorded with the QNN release and SoC.
 
 Weight sharing across contexts (ep.share_ep_contexts) is not used: loading a shared context
@@ -16,7 +16,7 @@ from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.manifest import Contexts
 from hybrid_npu.runtime.for_export import NpuUnavailable, qnn_devices, qnn_version
 
-from .npu_check import compile_on_npu
+from .check import compile_on_npu
 
 
 def compile_contexts(root: Path, part_files: list[str], prof, n: int, say) -> Contexts | None:

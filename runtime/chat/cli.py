@@ -10,7 +10,7 @@ from hybrid_npu.cli_common import OneLineParser, console_output, data_output, pa
 from hybrid_npu.errors import UserError
 from hybrid_npu.format import MANIFEST
 
-from .model_args import add_engine_arguments, check_engine_arguments, open_engine
+from ..model_args import add_engine_arguments, check_engine_arguments, open_engine
 
 
 def build_parser() -> OneLineParser:
@@ -85,8 +85,8 @@ def render_only(a, tools) -> str:
     """The prompt for --system/--tools/--prompt/--think, from the export's files alone."""
     import hybrid_npu
 
-    from .chat_template import ChatTemplate
-    from .export_check import read_manifest
+    from .template import ChatTemplate
+    from ..export_check import read_manifest
 
     path = Path(a.model) if a.model else hybrid_npu.default_model()
     if not (path / MANIFEST).is_file():
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     else:
         console_output("npu-chat")
     try:
-        from .chat_repl import Repl, wrap_words
+        from .repl import Repl, wrap_words
         from .conversation import Conversation, Sampling
 
         from .tool_calls import read_tools

@@ -2,7 +2,7 @@
 process (a backend crash or a multi-GB compile cannot take the caller down), and report the node
 count, how many nodes the HTP took, and the first node it refused with the EP's own reason.
 
-    python -m hybrid_npu.export.npu_check GRAPH.onnx --options JSON [--free-dims JSON]   (worker)
+    python -m hybrid_npu.export.npu.check GRAPH.onnx --options JSON [--free-dims JSON]   (worker)
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _parse_validation(log: str) -> dict:
 def compile_on_npu(graph: Path, provider_options: dict, free_dims: dict | None = None,
                    config: dict | None = None, timeout: float = 1800) -> dict:
     """Compile `graph` on the HTP in a child process; returns a report dict (never raises on refusal)."""
-    cmd = [sys.executable, "-m", "hybrid_npu.export.npu_check", str(graph), "--options", json.dumps(provider_options),
+    cmd = [sys.executable, "-m", "hybrid_npu.export.npu.check", str(graph), "--options", json.dumps(provider_options),
            "--free-dims", json.dumps(free_dims or {}), "--config", json.dumps(config or {}),
            "--parent", parent_token()]  # the compile ends with us, however we end
     report = {"graph": Path(graph).name, "nodes": len(onnx.load(str(graph), load_external_data=False).graph.node)}

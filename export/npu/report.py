@@ -11,7 +11,7 @@ from hybrid_npu.format import MASK_DIM, PAST_DIM
 from hybrid_npu.manifest import is_export, load_manifest
 from hybrid_npu.runtime.for_export import NpuUnavailable, npu_part_files, with_export_capacity
 
-from .npu_check import compile_on_npu
+from .check import compile_on_npu
 
 
 def check_export(export_dir, profile, progress: Callable[[str], None] | None = None) -> list[dict]:

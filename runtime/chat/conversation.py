@@ -25,8 +25,8 @@ from typing import Callable
 from hybrid_npu.errors import UserError
 from hybrid_npu.safe_files import read_text
 
-from .chat_template import ChatTemplate
-from .turn_checkpoints import common_prefix
+from .template import ChatTemplate
+from ..turn_checkpoints import common_prefix
 from .tool_calls import check_tools, parse_tool_calls
 
 CHAT_FORMAT = "hybrid-npu-chat/1"

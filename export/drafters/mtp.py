@@ -10,8 +10,8 @@ norm a zero-centred x̂·(1+w) RMSNorm as in the target:
     out = mtp.norm(x):   logits = lm_head(out);   out is the hidden of the next chained step
 The pair (h at position p, token p+1) sits at MTP position p and predicts token p+2.
 
-Graphs (same I/O names as the EAGLE-3 drafter's, so runtime/eagle3.py's K/V, window and tree code
-serve both; runtime/mtp.py):
+Graphs (same I/O names as the EAGLE-3 drafter's, so runtime/drafters/draft_tree.py's K/V, window and tree code
+serve both; runtime/drafters/mtp.py):
   mtp_in.onnx   taps [N, H] (tap.{L})  -> features [N, H]  (the target's final norm)
   mtp.onnx      features [N, H], input_ids [N], rope_cos/rope_sin [N, rd], attn_mask [N, past+N],
                 past_key/past_value [nKV, past, hd], logit_rows [M]
@@ -37,10 +37,10 @@ from hybrid_npu.kernels.norms import emit_rmsnorm_1p_cpu
 from hybrid_npu.kernels.rope import emit_partial_rope
 from hybrid_npu.manifest import DrafterManifest
 
-from .drafter import (drafter_linear, drafter_step_inputs, drafter_weight_plan, gathered_rows, weight_input,
-                      weights_entry, write_draft_vocab, write_drafter_files)
-from .safetensors_io import SafetensorsFile
-from .weights import WeightPlan
+from .shared import (drafter_linear, drafter_step_inputs, drafter_weight_plan, gathered_rows, weight_input,
+                     weights_entry, write_draft_vocab, write_drafter_files)
+from ..safetensors_io import SafetensorsFile
+from ..weights import WeightPlan
 
 WEIGHTS_FILE = "mtp_weights.bin"
 IN_GRAPH, STEP_GRAPH = "mtp_in", "mtp"
@@ -178,7 +178,7 @@ class _Graphs:
         k = emit_partial_rope(g, self.norm(g, g.reshape(k, [-1, nkv, hd]), A + "k_norm.weight"), cos, sin, hd,
                               c.rotary_dim)
         new_k, new_v = g.transpose(k, [1, 0, 2]), g.transpose(g.reshape(v, [-1, nkv, hd]), [1, 0, 2])
-        # one layer: a row's K/V depends on that row alone, so only the rows asked for go on (export/drafter.py)
+        # one layer: a row's K/V depends on that row alone, so only the rows asked for go on (export/drafters/eagle3.py)
         q, gate, mask, x = (g.op("Gather", t, rows, axis=0) for t in (q, gate, mask, x))
         attn = emit_dynamic_gqa(g, q, past_k, past_v, new_k, new_v, mask, nh=nh, nkv=nkv, hd=hd)
         gated = g.op("Mul", attn, g.op("Sigmoid", g.reshape(gate, [-1, nh * hd])))
@@ -210,7 +210,7 @@ def head_source(ck: MtpCheckpoint) -> str:
 
 
 def trim_head(ck: MtpCheckpoint, draft_ids: np.ndarray) -> MtpCheckpoint:
-    """The head drafting only `draft_ids` (ascending target ids; export/draft_vocab.py): its logits
+    """The head drafting only `draft_ids` (ascending target ids; export/drafters/vocab.py): its logits
     are rows draft_ids of the target's lm_head, draft id i standing for target id draft_ids[i]."""
     src, ids = head_source(ck), np.asarray(draft_ids, np.int64)
     shapes = {**ck.shapes, DRAFT_HEAD: (len(ids), ck.shapes[src][1])}
@@ -226,7 +226,7 @@ def export_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> d
 def write_mtp(ck: MtpCheckpoint, out_dir, dtype: str = "fp32", quant=None) -> DrafterManifest:
     """Write mtp_in.onnx, mtp.onnx, mtp_weights.bin and drafter.json (kind "mtp") into out_dir, and
     for a trimmed head (trim_head) vocab.safetensors, its draft-to-target ids; returns the manifest record.
-    quant: the target's QuantSpec (export/drafter.py drafter_weight_plan)."""
+    quant: the target's QuantSpec (export/drafters/shared.py drafter_weight_plan)."""
     plan = drafter_weight_plan(ck.load, dtype, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

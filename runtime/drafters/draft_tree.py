@@ -1,4 +1,8 @@
-"""The EAGLE-3 drafter at run time (CPU, ONNX): stable K/V over the accepted context, EAGLE-2 trees.
+"""What every drafter does at run time (CPU, ONNX), whatever its layer: stable K/V over the accepted
+context, a window, EAGLE-2 trees from the top-k, rewind. TreeDrafter holds it; a kind opens its
+graphs and draft vocabulary (eagle3.py: an EAGLE-3 layer over the target's fused taps; mtp.py: the
+checkpoint's own MTP head over its last residual). Both graphs take the same inputs
+(export/drafters/shared.py drafter_step_inputs).
 
 Spec: docs/eagle3-drafter.md (forward, alignment, stable K/V) and §1.6 (dynamic tree); docs/speculation.md.
 
@@ -29,9 +33,9 @@ from hybrid_npu.kernels.rope import rope_rows, rope_tables
 from hybrid_npu.manifest import DrafterManifest, DraftVocab, load_drafter_manifest
 from hybrid_npu.safe_files import inside, read_bytes, regular_size
 
-from .session_options import cpu_inference_session, session_options
-from .state import grown_capacity
-from .step_inputs import chain_rows
+from ..session_options import cpu_inference_session, session_options
+from ..state import grown_capacity
+from ..step_inputs import chain_rows
 
 OBSERVE_CHUNK = 64  # positions per observe call: bounds the [N, capacity + N] score scratch
 MIN_CAPACITY = 64
@@ -67,7 +71,7 @@ FIX = "re-export the drafter with: export-hybrid SOURCE OUT --drafter DRAFTER"
 
 def read_draft_vocab(drafter_dir: Path, record: DraftVocab) -> np.ndarray:
     """The target id of each draft id, from a drafter manifest's vocab record (EAGLE-3's own
-    vocabulary, a trimmed MTP head's; export/drafter.py write_draft_vocab)."""
+    vocabulary, a trimmed MTP head's; export/drafters/shared.py write_draft_vocab)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
@@ -99,33 +103,38 @@ def check_drafter_shapes(path: Path, session, nkv: int, hd: int) -> None:
                                 f"{want} by the manifest; {FIX}")
 
 
-class Eagle3Drafter:
+def open_manifest(path: Path, record: DrafterManifest | None, how: str) -> DrafterManifest:
+    """The drafter.json of directory `path` (record: where the caller has read it, runtime/drafters
+    load_drafter); how: how to export one, for the line that says there is none."""
+    if not (path / MANIFEST).exists():
+        raise UserError(f"{path} is not an exported drafter (no {MANIFEST}); {how}")
+    return record or load_drafter_manifest(path)
+
+
+class TreeDrafter:
+    """A drafter of one decoder layer over two CPU graphs, `fc` (the target's taps -> features) and
+    `step` (one drafter step over n queries). A kind reads its drafter.json and gives the width of
+    the taps it reads, its draft vocabulary (draft id -> target id) and its two graph files."""
     picks = True  # propose takes pick= (generation.drafting_with)
 
-    def __init__(self, drafter_dir, threads: int | None = None, window: int | None = DRAFT_WINDOW,
-                 record: DrafterManifest | None = None):
-        """record: its drafter.json, where the caller has read it (runtime/drafters.py)."""
-        self.path = Path(drafter_dir)
+    def __init__(self, path: Path, manifest: DrafterManifest, window: int | None, tap_width: int,
+                 draft_to_target: np.ndarray, graphs: tuple[str, str], weight_bytes: int, threads: int | None):
+        """graphs: the fc and step graph files inside path; weight_bytes: the drafter's weights (a
+        small drafter runs on one thread)."""
+        self.path, self.manifest = path, manifest
         self.window = window  # None: every stable row
-        mf = self.path / MANIFEST
-        if not mf.exists():
-            raise UserError(f"{self.path} is not an exported drafter (no {MANIFEST}); export it with export_drafter")
-        self.manifest = record or load_drafter_manifest(self.path)
-        dims = self.manifest.dims
+        dims = manifest.dims
         self.nkv, self.hd, self.h = dims.num_key_value_heads, dims.head_dim, dims.hidden_size
         self.rotary_dim, self.rope_theta = dims.rotary_dim, dims.rope_theta
-        self.input_order = self.manifest.input_order  # target tap layers, concat order
-        self.tap_width = len(self.input_order) * dims.target_hidden_size
-        if self.manifest.vocab is None:
-            raise UserError(f"{mf} has no draft vocabulary; {FIX}")
-        self.draft_to_target = read_draft_vocab(self.path, self.manifest.vocab)
+        self.input_order = manifest.input_order  # target tap layers, concat order
+        self.tap_width = tap_width
+        self.draft_to_target = draft_to_target
         # A small drafter's calls are too short to split: on 2 cores, the embedded 6.6 MB drafter
         # proposed a depth-6 chain in 7.7 ms on one thread against ~20 ms on two (thread hand-offs).
-        weights = sum(f.stat().st_size for f in self.path.glob("*.bin"))
-        opts = session_options(1 if weights < SINGLE_THREAD_BELOW_BYTES else threads)
-        self.fc = cpu_inference_session(drafter_graph(self.path, "drafter_fc.onnx"), opts)
-        self.step = cpu_inference_session(drafter_graph(self.path, "drafter.onnx"), opts)
-        check_drafter_shapes(self.path, self.step, self.nkv, self.hd)
+        opts = session_options(1 if weight_bytes < SINGLE_THREAD_BELOW_BYTES else threads)
+        self.fc = cpu_inference_session(drafter_graph(path, graphs[0]), opts)
+        self.step = cpu_inference_session(drafter_graph(path, graphs[1]), opts)
+        check_drafter_shapes(path, self.step, self.nkv, self.hd)
         self.reset()
 
     # ---------------------------------------------------------------- state

@@ -1,4 +1,4 @@
-"""Plain numpy reference of the MTP head (export/mtp_drafter.py's graphs, step by step), built from
+"""Plain numpy reference of the MTP head (export/drafters/mtp.py's graphs, step by step), built from
 the kernels' own references; tests hold the ONNX graphs to it and it to transformers' layers."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hybrid_npu.kernels.attention import gqa_attention_ref
 from hybrid_npu.kernels.norms import rmsnorm_1p_ref
 from hybrid_npu.kernels.rope import partial_rope_ref, rope_tables
 
-from .mtp_drafter import A, MLP, P, MtpConfig
+from .mtp import A, MLP, P, MtpConfig
 
 
 def mtp_hidden_in_ref(w: dict, c: MtpConfig, residual: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 from hybrid_npu.errors import UserError
 from hybrid_npu.safe_files import TOKENIZER_BYTES, read_json
 
-from .text_input import read_text_input, text_tokenizer
+from ..text_input import read_text_input, text_tokenizer
 
 MIN_DRAFT_VOCAB = 2
 HINT_ABOVE = 65536  # a head over more tokens than this drafts slowly at real size: the export says so

@@ -1,0 +1,1 @@
+"""npu-serve: an OpenAI-compatible local server (command line, application, request checks, held contexts)."""

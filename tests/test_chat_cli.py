@@ -51,7 +51,10 @@ def spawn(model, *args):
     pexpect = pytest.importorskip("pexpect")
     if sys.platform == "win32":
         pytest.skip("pseudo-terminals are POSIX-only")
-    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}  # no cursor-position queries to answer
+    # no cursor-position queries to answer; no COLUMNS/LINES (pytest-xdist's workers set 80x24), so the
+    # pseudo-terminal's own size is the one the REPL wraps its lines to
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
     child = pexpect.spawn(sys.executable, ["-m", "hybrid_npu.runtime.chat.cli", str(model), *map(str, args)],
                           env=env, encoding="utf-8", codec_errors="replace", timeout=120, dimensions=(50, 250))
     child.expect_exact(PROMPT)

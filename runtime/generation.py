@@ -1,7 +1,8 @@
 """Generation after the prefill, as a generator of tokens: plain decode steps, or speculative
 rounds (draft a tree, verify it in one pass, commit the accepted path) with plain steps between
-them where the policy (speculation/) says a round does not pay. Engine.generate collects
-`stream`; a caller that wants tokens as they come iterates it (as mlx-lm's stream_generate).
+them where the policy (speculation/) says a round does not pay. stream(model, context, ...) runs
+one context of a model (runtime/model.py, runtime/context.py) and yields the tokens as they come
+(as mlx-lm's stream_generate), then holds its Response; Engine.generate collects it into a list.
 
 The output is the target's whatever the steps are (docs/speculation.md): a plain step emits the
 sampler's choice from the target's logits, a round the target's argmax path (greedy) or the very
@@ -44,9 +45,16 @@ class Stream:
     round's tokens in the context (context.context_ids()) though they were not all yielded, and the
     response has them all."""
 
-    def __init__(self, make_tokens: Callable[["Stream"], Iterator[int]]):
-        self.response: Response | None = None
-        self._tokens = make_tokens(self)
+    def __init__(self, make_tokens: Callable[[list], Iterator[int]]):
+        # the generator writes its Response into a list of its own, not into the Stream: a cycle
+        # (stream -> generator -> stream) would keep a finished reply's frame, and the context it
+        # reads, alive until Python's cyclic collector ran
+        self._done: list[Response] = []
+        self._tokens = make_tokens(self._done)
+
+    @property
+    def response(self) -> Response | None:
+        return self._done[0] if self._done else None
 
     def __iter__(self) -> Iterator[int]:
         return self._tokens
@@ -85,7 +93,7 @@ def stream(model, context, prompt_ids: list[int], sampler: Sampler | None = None
 
 
 def _generate(model, context, ids, sampler, max_new_tokens, stop_at_eos, append, speculative, progress,
-              should_stop, checkpoint_at, out: Stream) -> Iterator[int]:
+              should_stop, checkpoint_at, done_into: list) -> Iterator[int]:
     pending, context.pending = context.pending, []
     t0 = time.perf_counter()
     context.own_drafter()
@@ -160,7 +168,7 @@ def _generate(model, context, ids, sampler, max_new_tokens, stop_at_eos, append,
                      acceptance_length=(stats["accepted"] + stats["rounds"]) / max(stats["rounds"], 1),
                      ahead_kept=stats["ahead_kept"], ahead_dropped=stats["ahead_dropped"])
         text = model.tokenizer.decode(new) if model.tokenizer is not None else ""
-        out.response = Response(text, list(new), finish, s)
+        done_into.append(Response(text, list(new), finish, s))
 
 
 def _finish_reason(new: list[int], stop_at_eos: bool, eos_ids, should_stop) -> str:

@@ -41,9 +41,12 @@ BOUNDED_SCRATCH = ("cpu", "decode", "cpu_verify")
 
 
 def default_make_policy(context) -> SpecPolicy:
-    """A context's speculation policy for the model's draft shape (tests inject fixed costs instead)."""
-    return SpecPolicy(context.draft_shape["depth"], verify_nodes=context.verify_graph,
-                      verify_graphs=context.verify_graphs)
+    """A context's speculation policy for the model's draft shape (tests inject fixed costs instead).
+    It asks the context through a weak proxy: the context holds its policies, and a cycle would keep
+    a dropped context (its K/V) alive until Python's cyclic collector ran."""
+    ref = weakref.proxy(context)
+    return SpecPolicy(ref.draft_shape["depth"], verify_nodes=lambda depth: ref.verify_graph(depth),
+                      verify_graphs=lambda max_depth: ref.verify_graphs(max_depth))
 
 
 class Model:

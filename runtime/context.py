@@ -96,9 +96,6 @@ class Context:
         """(device, nodes) of the verify a round of `depth` levels runs at this context's position."""
         return self.model.verify_graph(depth, self.state.position)
 
-    def verify_nodes(self, depth: int) -> int:
-        return self.verify_graph(depth)[1]
-
     def verify_graphs(self, max_depth: int) -> tuple:
         """verify_graph of every depth 1..max_depth, as the speculation policy asks it each step: kept
         while the answer's inputs (where the NPU's graph fits, the draft shape) stay the same."""

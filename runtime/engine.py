@@ -18,7 +18,7 @@ import numpy as np
 from .context import Context
 from .generation import stream
 from .model import Model
-from .sampling import Sampler, check_sampling
+from .sampling import Sampler
 
 _OWN = ("model", "context", "last_stats")
 
@@ -54,8 +54,7 @@ class Engine:
         arguments; append=True continues the conversation). temperature/top_k/top_p left None take
         the model's defaults (sampling_defaults: its generation_config; greedy unless that says
         do_sample); temperature 0 is greedy. last_stats then describes this call."""
-        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)  # max_new_tokens named first
-        sampler = Sampler.from_defaults(self.model.sampling_defaults, temperature, top_k, top_p, seed)
+        sampler = Sampler.from_defaults(self.model.sampling_defaults, temperature, top_k, top_p, seed, max_new_tokens)
         tokens = stream(self.model, self.context, prompt_ids, sampler, max_new_tokens, stop_at_eos=stop_at_eos,
                         append=append, speculative=speculative, progress=progress, should_stop=should_stop,
                         checkpoint_at=checkpoint_at)

@@ -83,7 +83,7 @@ def stream(model, context, prompt_ids: list[int], sampler: Sampler | None = None
     sampler = sampler if sampler is not None else Sampler.from_defaults(model.sampling_defaults)
     speculative = model.drafter is not None if speculative is None else speculative
     if speculative and model.drafter is None:
-        raise UserError("speculative=True needs a drafter: hybrid_npu.load_engine(path, drafter=DIR)")
+        raise UserError("speculative=True needs a drafter: hybrid_npu.load(path, drafter=DIR)")
     if not append:
         context.reset()
     ids = context.pending + list(prompt_ids)  # the last reply's final token is not yet in the state

@@ -95,10 +95,11 @@ class Sampler:
         self.key = int(np.random.SeedSequence().entropy) if self.seed is None else int(self.seed)
 
     @classmethod
-    def from_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None, seed=None) -> "Sampler":
-        """The settings given, checked (check_sampling), the model's defaults (model_defaults) for
-        those left None."""
-        check_sampling(1, temperature, top_k, top_p, seed)
+    def from_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None, seed=None,
+                      max_new_tokens: int = 1) -> "Sampler":
+        """The settings given, checked (check_sampling, with the generation's max_new_tokens named
+        first), the model's defaults (model_defaults) for those left None."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         return cls(defaults["temperature"] if temperature is None else temperature,
                    defaults["top_k"] if top_k is None else top_k,
                    defaults["top_p"] if top_p is None else top_p, seed)

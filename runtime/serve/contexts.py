@@ -17,9 +17,6 @@ class ServedContexts:
         self.model, self.limit = model, max(int(limit), 1)
         self.contexts: list = []  # least recently used first
 
-    def held_bytes(self) -> int:
-        return sum(c.nbytes() for c in self.contexts)
-
     def take_best(self, prompt_ids: list[int], need_tokens: int):
         """The context for a request of prompt_ids that may grow to need_tokens, made the most
         recently used; others are dropped as its memory needs. Context.resume(prompt_ids) then

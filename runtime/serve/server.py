@@ -30,7 +30,7 @@ from . import api
 from ..chat.template import ChatTemplate
 from ..chat.conversation import StreamDecoder, checkpoint_marks
 from ..generation import stream
-from ..sampling import Sampler, check_sampling
+from ..sampling import Sampler
 from .contexts import ServedContexts
 from .guard import Guard, HostCheck, too_large_message
 
@@ -130,8 +130,8 @@ class ChatService:
                         on_delta({key: text[len(shown[i]):]})
                     shown[i] = text
 
-        check_sampling(p.max_tokens, req.temperature, req.top_k, req.top_p, req.seed)
-        sampler = Sampler.from_defaults(model.sampling_defaults, req.temperature, req.top_k, req.top_p, req.seed)
+        sampler = Sampler.from_defaults(model.sampling_defaults, req.temperature, req.top_k, req.top_p, req.seed,
+                                        p.max_tokens)
         tokens = stream(model, context, p.ids[kept:], sampler, p.max_tokens, append=True, speculative=self.speculative,
                         should_stop=lambda: stopped[0] or gone(), checkpoint_at=marks)
         with closing(tokens):

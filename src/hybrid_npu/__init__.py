@@ -68,8 +68,7 @@ def stream(model, context, prompt_ids, max_new_tokens: int = 256, temperature: f
     greedy. kwargs: append (continue the context), speculative, stop_at_eos, should_stop, progress,
     checkpoint_at (runtime/generation.py)."""
     from hybrid_npu.runtime.generation import stream as run
-    from hybrid_npu.runtime.sampling import Sampler, check_sampling
+    from hybrid_npu.runtime.sampling import Sampler
 
-    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    sampler = Sampler.from_defaults(model.sampling_defaults, temperature, top_k, top_p, seed)
+    sampler = Sampler.from_defaults(model.sampling_defaults, temperature, top_k, top_p, seed, max_new_tokens)
     return run(model, context, prompt_ids, sampler, max_new_tokens, **kwargs)
